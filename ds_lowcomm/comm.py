@@ -1,0 +1,138 @@
+"""Collectives on ds_lowcomm's private process groups, with byte accounting and timeouts.
+
+Every collective ds_lowcomm issues during training goes through :class:`Collectives`, so the
+byte counters in :class:`CommStats` are complete. Bytes are counted as a bandwidth-optimal (ring)
+implementation moves them per rank, which is what NCCL and gloo's ring algorithms put on the wire:
+
+=================  ==========================  ==========================
+collective         sent per rank               received per rank
+=================  ==========================  ==========================
+reduce-scatter     (W-1)/W · input bytes       (W-1)/W · input bytes
+all-gather         (W-1)/W · output bytes      (W-1)/W · output bytes
+all-reduce         2(W-1)/W · bytes            2(W-1)/W · bytes
+=================  ==========================  ==========================
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates the *_tensor spellings in favour of the *_single ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def wire_bytes(op: str, nbytes: int, world: int) -> Tuple[float, float]:
+    """(sent, received) bytes per rank for collective ``op`` over ``nbytes`` on ``world`` ranks.
+
+    ``nbytes`` is the full (unsharded) size: the reduce-scatter input, the all-gather output or
+    the all-reduced tensor.
+    """
+    if world <= 1:
+        return 0.0, 0.0
+    share = (world - 1) / world * nbytes
+    if op == "all_reduce":
+        return 2 * share, 2 * share
+    if op in ("reduce_scatter", "all_gather"):
+        return share, share
+    raise ValueError(f"unknown collective {op!r}")
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes_sent: float = 0.0
+    bytes_received: float = 0.0
+    seconds: float = 0.0
+
+
+class CommStats:
+    """Counters for one process: per collective, plus time the training thread waited for rounds."""
+
+    def __init__(self) -> None:
+        self.ops: Dict[str, OpStats] = defaultdict(OpStats)
+        self.wait_seconds = 0.0
+        self.round_seconds = 0.0
+        self.rounds = 0
+
+    def record(self, op: str, sent: float, received: float, seconds: float) -> None:
+        s = self.ops[op]
+        s.calls += 1
+        s.bytes_sent += sent
+        s.bytes_received += received
+        s.seconds += seconds
+
+    @property
+    def bytes_sent(self) -> float:
+        return sum(s.bytes_sent for s in self.ops.values())
+
+    @property
+    def bytes_received(self) -> float:
+        return sum(s.bytes_received for s in self.ops.values())
+
+    def as_dict(self) -> dict:
+        """A JSON-ready copy: totals, rounds, time waited and per-collective counters."""
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "rounds": self.rounds, "round_seconds": self.round_seconds,
+                "wait_seconds": self.wait_seconds,
+                "ops": {name: asdict(s) for name, s in sorted(self.ops.items())}}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, stalled or disagrees on shapes."""
+
+
+class Collectives:
+    """Collectives on one process group, counted in ``stats``.
+
+    Blocking calls; the caller decides which thread they run on. A failure (a dead peer closes its
+    sockets; a stalled one trips the group's timeout) is re-raised as :class:`CollectiveError`
+    naming the rank, the collective and the timeout, so the job exits instead of hanging.
+    """
+
+    def __init__(self, group, stats: CommStats, timeout_s: float, name: str) -> None:
+        self.group = group
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.name = name
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def _run(self, op: str, nbytes: int, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            fn(*args, group=self.group, **kwargs)
+        except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
+            raise CollectiveError(
+                f"ds_lowcomm: {op} of {nbytes} bytes on the {self.name} group failed on global rank "
+                f"{dist.get_rank()} after {time.perf_counter() - t0:.1f}s "
+                f"(collective_timeout_s={self.timeout_s:g}): {err}. Another rank probably died or "
+                f"stalled; its log says why.") from err
+        sent, received = wire_bytes(op, nbytes, self.world)
+        self.stats.record(op, sent, received, time.perf_counter() - t0)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Sum ``inp`` (W equal shards, flat) over the group; this rank's shard lands in ``out``.
+
+        Cost: (W-1)/W · inp bytes sent and received.
+        """
+        self._run("reduce_scatter", inp.numel() * inp.element_size(), _reduce_scatter, out, inp)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Concatenate every rank's ``inp`` into ``out`` (W × inp). Cost: (W-1)/W · out bytes."""
+        self._run("all_gather", out.numel() * out.element_size(), _all_gather, out, inp)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over the group. Cost: 2(W-1)/W · t bytes."""
+        self._run("all_reduce", t.numel() * t.element_size(), dist.all_reduce, t)
+
+    def counted_in(self, stats: CommStats) -> "Collectives":
+        """The same group, counting into ``stats`` (e.g. checkpoint traffic kept out of training)."""
+        other = Collectives.__new__(Collectives)
+        other.__dict__.update(self.__dict__, stats=stats)
+        return other

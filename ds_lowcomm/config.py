@@ -1,0 +1,198 @@
+"""The ``"lowcomm"`` section of a DeepSpeed JSON, and the DeepSpeed settings it can live with.
+
+DeepSpeed 0.19.8 accepts unknown top-level keys silently but forbids unknown keys inside its own
+sections (``zero_optimization``, ``bf16``... are pydantic models with ``extra="forbid"``), so every
+knob of ours lives in one top-level object::
+
+    "lowcomm": {"mode": "zero1", "comm_dtype": "auto", "shard_group_size": null,
+                "collective_timeout_s": 300, "zero1": {}}
+
+Each mode may add a sub-object named after it (``"acco": {...}``); its schema is the mode's
+``Options`` dataclass (see ``ds_lowcomm.modes``). Everything is validated before any engine is
+built: a bad value raises :class:`LowCommConfigError` with one line naming the key, the value and
+what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+SECTION = "lowcomm"
+COMM_DTYPES = ("auto", "fp32", "bf16")
+
+
+class LowCommConfigError(ValueError):
+    """A configuration ds_lowcomm cannot run; the message names the key and the fix."""
+
+
+def option(default: Any, doc: str, *, choices: tuple = (), minimum: Optional[float] = None,
+           exclusive_minimum: bool = False) -> Any:
+    """A dataclass field that :func:`parse_options` validates: ``choices`` or a lower bound."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "minimum": minimum,
+                                            "exclusive_minimum": exclusive_minimum})
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _check_value(key: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
+    optional = type(None) in typing.get_args(tp)
+    base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+    if value is None:
+        if optional:
+            return None
+        raise LowCommConfigError(f"{key}: got null; expected {_type_name(tp)}")
+    ok = (isinstance(value, bool) if base is bool else
+          isinstance(value, int) and not isinstance(value, bool) if base is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if base is float else
+          isinstance(value, base))
+    if not ok:
+        raise LowCommConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        raise LowCommConfigError(f"{key}: got {value!r}; allowed: {allowed}")
+    lo = meta.get("minimum")
+    if lo is not None and (value <= lo if meta.get("exclusive_minimum") else value < lo):
+        bound = f"> {lo}" if meta.get("exclusive_minimum") else f">= {lo}"
+        raise LowCommConfigError(f"{key}: got {value!r}; must be {bound}")
+    return float(value) if base is float else value
+
+
+def reject_unknown_keys(path: str, raw: Mapping[str, Any], allowed: typing.Iterable[str]) -> None:
+    """Raise for the first key of ``raw`` not in ``allowed``, with a "did you mean" hint."""
+    allowed = list(allowed)
+    for key in raw:
+        if key not in allowed:
+            hint = difflib.get_close_matches(str(key), allowed, n=1)
+            did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise LowCommConfigError(f"{path}.{key}: unknown key{did_you_mean}; "
+                                     f"allowed keys: {', '.join(allowed) or 'none'}")
+
+
+def parse_options(cls: type, raw: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from a JSON object, validating every key against its fields."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise LowCommConfigError(f"{path}: got {raw!r}; expected a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    reject_unknown_keys(path, raw, fields)
+    hints = typing.get_type_hints(cls)
+    values = {name: _check_value(f"{path}.{name}", raw[name], hints[name], fields[name].metadata)
+              for name in raw}
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class LowCommConfig:
+    """The validated ``"lowcomm"`` section; ``mode_options`` is the selected mode's ``Options``."""
+
+    mode: str = option("zero1", "which algorithm owns data-parallel communication")
+    comm_dtype: str = option("auto", "dtype gradients are reduced in; 'auto' follows DeepSpeed's "
+                             "communication_data_type, else the model dtype", choices=COMM_DTYPES)
+    shard_group_size: Optional[int] = option(None, "ranks sharing one copy of the optimizer state "
+                                             "(a node); null = the whole world", minimum=1)
+    collective_timeout_s: float = option(300.0, "seconds a collective may wait for a peer before the "
+                                         "run aborts", minimum=0, exclusive_minimum=True)
+    mode_options: Any = None
+
+    @staticmethod
+    def from_dict(raw: Any) -> "LowCommConfig":
+        """Validate the raw ``"lowcomm"`` object. Raises :class:`LowCommConfigError`."""
+        from ds_lowcomm.modes import MODES
+
+        if not isinstance(raw, Mapping):
+            raise LowCommConfigError(f"{SECTION}: got {raw!r}; expected a JSON object such as "
+                                     f'{{"mode": "zero1"}}')
+        if "mode" not in raw:
+            raise LowCommConfigError(f"{SECTION}.mode: missing; set it to one of: {', '.join(MODES)}")
+        mode = raw["mode"]
+        if mode not in MODES:
+            hint = difflib.get_close_matches(str(mode), list(MODES), n=1)
+            did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise LowCommConfigError(f"{SECTION}.mode: got {mode!r}{did_you_mean}; "
+                                     f"allowed: {', '.join(MODES)}")
+        fields = {f.name: f for f in dataclasses.fields(LowCommConfig) if f.name != "mode_options"}
+        reject_unknown_keys(SECTION, raw, list(fields) + list(MODES))
+        hints = typing.get_type_hints(LowCommConfig)
+        general = {k: _check_value(f"{SECTION}.{k}", v, hints[k], fields[k].metadata)
+                   for k, v in raw.items() if k in fields}
+        # Every mode's sub-object is validated, not only the selected one's, so switching "mode"
+        # never reveals a latent typo.
+        sub = {name: parse_options(MODES[name].Options, raw.get(name), f"{SECTION}.{name}")
+               for name in MODES}
+        return LowCommConfig(mode_options=sub[mode], **general)
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed settings that ds_lowcomm replaces or cannot honour.
+
+ADAM_TYPES = ("adam", "adamw", "lowcommadamw")
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "fused", "foreach")
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+
+
+def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
+    """Reject DeepSpeed settings that conflict with ds_lowcomm owning data-parallel communication.
+
+    Called on the user's JSON before DeepSpeed sees it. Raises :class:`LowCommConfigError`.
+    """
+    if _enabled(ds.get("fp16")):
+        raise LowCommConfigError(
+            "fp16.enabled: fp16 needs dynamic loss scaling, which skips steps after the fact; a "
+            "sharded/delayed update cannot be skipped. Use \"bf16\": {\"enabled\": true} or fp32")
+    if _enabled(ds.get("amp")):
+        raise LowCommConfigError("amp.enabled: apex AMP is not supported; use \"bf16\": {\"enabled\": true}")
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else None
+    if stage != 1:
+        raise LowCommConfigError(
+            f"zero_optimization.stage: got {stage!r}; ds_lowcomm implements ZeRO stage 1 itself, "
+            "set \"zero_optimization\": {\"stage\": 1}")
+    for key in ("offload_optimizer", "offload_param"):
+        off = zero.get(key)
+        if isinstance(off, Mapping) and off.get("device", "none") not in (None, "none"):
+            raise LowCommConfigError(f"zero_optimization.{key}: offload is not supported; remove it")
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if accum not in (None, "fp32", "float32"):
+        raise LowCommConfigError(f"data_types.grad_accum_dtype: got {accum!r}; ds_lowcomm always "
+                                 "accumulates gradients in fp32, remove the key or set \"fp32\"")
+    comm = ds.get("communication_data_type")
+    if comm not in (None, "fp32", "bf16", "bfp16"):
+        raise LowCommConfigError(f"communication_data_type: got {comm!r}; allowed: \"fp32\", \"bf16\"")
+    if ds.get("managed_gradient_accumulation", True) is False:
+        raise LowCommConfigError("managed_gradient_accumulation: false is not supported; remove it")
+    tp = ds.get("tensor_parallel")
+    if isinstance(tp, Mapping) and int(tp.get("autotp_size", 0) or 0) > 1:
+        raise LowCommConfigError("tensor_parallel.autotp_size: tensor parallelism is not supported")
+    opt = ds.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt, Mapping) or str(opt.get("type", "")).lower() not in ADAM_TYPES:
+            got = opt.get("type") if isinstance(opt, Mapping) else opt
+            raise LowCommConfigError(f"optimizer.type: got {got!r}; ds_lowcomm runs AdamW on the shard, "
+                                     "use \"AdamW\" (or \"LowCommAdamW\")")
+        params = opt.get("params") or {}
+        reject_unknown_keys("optimizer.params", params, OPTIMIZER_PARAMS)
+        if params.get("adam_w_mode", True) is False:
+            raise LowCommConfigError("optimizer.params.adam_w_mode: false (L2-coupled Adam) is not "
+                                     "supported; ds_lowcomm uses decoupled weight decay (AdamW)")
+        lr = params.get("lr", 1e-3)
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
+            raise LowCommConfigError(f"optimizer.params.lr: got {lr!r}; must be a number >= 0")
+
+
+def parse(ds: Mapping[str, Any]) -> LowCommConfig:
+    """Validate a whole DeepSpeed config dict that has a ``"lowcomm"`` section."""
+    cfg = LowCommConfig.from_dict(ds[SECTION])
+    check_deepspeed_config(ds)
+    return cfg

@@ -1,0 +1,118 @@
+"""LowCommEngine: DeepSpeed's engine with ds_lowcomm's optimizer owning data-parallel communication.
+
+DeepSpeed is built at ZeRO stage 0 (the user's JSON says 1; :mod:`ds_lowcomm.initialize` rewrites
+a copy) so it creates no ZeRO optimizer, and the engine's all-reduce is switched off. The overrides
+below are the engine hooks that have been stable since DeepSpeed 0.10:
+``_configure_optimizer``, ``clip_fp32_gradients``, ``enable_backward_allreduce``, ``backward``,
+``load_checkpoint``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ds_lowcomm.checkpoint import MODEL_FILE, CheckpointError, check_same_model, resolve_tag
+from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError
+from ds_lowcomm.optimizer import LowCommOptimizer
+
+_DROPPED_JSON_PARAMS = ("torch_adam", "adam_w_mode", "fused", "foreach")
+_ADAM_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "LowCommOptimizer")
+
+
+def _comm_dtype(engine: DeepSpeedEngine, cfg: LowCommConfig) -> torch.dtype:
+    name = cfg.comm_dtype
+    if name == "auto":
+        ds = engine._config._param_dict.get("communication_data_type")
+        name = {"bfp16": "bf16"}.get(ds, ds) or ("bf16" if engine.bfloat16_enabled() else "fp32")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _param_groups(engine: DeepSpeedEngine, client_optimizer, model_parameters) -> List[dict]:
+    """AdamW param groups from a client optimizer (its own dicts) or the JSON ``"optimizer"``."""
+    if client_optimizer is not None:
+        opt = client_optimizer
+        if not isinstance(opt, torch.optim.Optimizer):  # a callable building one
+            opt = client_optimizer(model_parameters)
+        if type(opt).__name__ not in _ADAM_CLASSES:
+            raise LowCommConfigError(f"optimizer: the client optimizer is {type(opt).__name__}; "
+                                     "ds_lowcomm runs AdamW on the shard, pass an AdamW or use the "
+                                     "JSON \"optimizer\" section")
+        for g in opt.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise LowCommConfigError("optimizer: amsgrad/maximize are not supported")
+            if (type(opt).__name__ == "Adam" and g.get("weight_decay", 0) and not g.get("decoupled_weight_decay")):
+                raise LowCommConfigError("optimizer: torch.optim.Adam with weight_decay is L2-coupled; "
+                                         "use torch.optim.AdamW")
+        groups = opt.param_groups  # the same dicts: the caller's LR scheduler keeps driving them
+    else:
+        params = dict(engine.optimizer_params() or {})
+        hyper = {k: v for k, v in params.items() if k not in _DROPPED_JSON_PARAMS}
+        # DeepSpeed's default Adam is FusedAdam (weight_decay 0); with torch_adam it is
+        # torch.optim.AdamW (weight_decay 0.01). Keep the user's run what it would be in stock.
+        hyper.setdefault("weight_decay", 0.01 if params.get("torch_adam") else 0.0)
+        if "betas" in hyper:
+            hyper["betas"] = tuple(hyper["betas"])
+        model_parameters = list(model_parameters)
+        if model_parameters and isinstance(model_parameters[0], dict):
+            groups = [{**hyper, **g} for g in model_parameters]
+        else:
+            groups = [{**hyper, "params": model_parameters}]
+    for g in groups:
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+    return [g for g in groups if g["params"]]
+
+
+class LowCommEngine(DeepSpeedEngine):
+    """A :class:`DeepSpeedEngine` whose optimizer is a :class:`LowCommOptimizer`.
+
+    Extra API: :meth:`comm_stats`, and ``engine.optimizer.flush()`` before exporting final weights.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_backward_allreduce = False
+
+    def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        cfg = LowCommConfig.from_dict(self._config._param_dict[SECTION])
+        names: Dict[int, List[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        groups = _param_groups(self, client_optimizer, model_parameters)
+        self.optimizer = self.basic_optimizer = LowCommOptimizer(
+            groups, cfg, gradient_clipping=self.gradient_clipping(),
+            comm_dtype=_comm_dtype(self, cfg), param_names=names)
+        # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
+        # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
+        self.enable_backward_allreduce = False
+
+    def clip_fp32_gradients(self) -> None:
+        """No-op: local gradients are unreduced; the optimizer clips after the reduce-scatter."""
+
+    def backward(self, loss, *args, **kwargs):
+        out = super().backward(loss, *args, **kwargs)
+        self.optimizer.on_micro_batch_end(self.is_gradient_accumulation_boundary())
+        return out
+
+    def comm_stats(self) -> dict:
+        """Bytes sent/received per collective and per step, rounds, time in flight and waited."""
+        return self.optimizer.comm_stats()
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        **kwargs):
+        """DeepSpeed's ``load_checkpoint``, but a missing or foreign checkpoint raises
+        :class:`~ds_lowcomm.checkpoint.CheckpointError` (stock DeepSpeed only warns and returns
+        ``(None, None)`` when ``latest`` is missing)."""
+        tag = resolve_tag(load_dir, tag)
+        path = os.path.join(load_dir, str(tag), MODEL_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag {tag!r} in {load_dir!r}")
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
+        opt = self.optimizer
+        check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
+        return super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
+                                       load_optimizer_states=load_optimizer_states, **kwargs)

@@ -1,0 +1,139 @@
+"""Flat parameter and gradient buffers, and how they are cut into shards.
+
+All trainable parameters live as views of one padded flat buffer, in param-group order, so a
+reduce-scatter or all-gather of the whole model is one collective on one tensor and each rank's
+shard is one contiguous range of it. Param group ``i`` occupies one contiguous range too, so the
+intersection of a shard with a group (a :class:`Segment`) is at most one range: that is what the
+shard optimizer steps with the group's hyperparameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+# Shards start on 16-element boundaries (64 bytes of fp32) so vectorised kernels see aligned data.
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of param group ``group`` that lies in a shard, as a range in shard coordinates."""
+    group: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """``numel`` real elements padded to ``padded`` and cut into ``world`` equal contiguous shards."""
+    numel: int
+    world: int
+    rank: int
+    group_ranges: tuple  # ((start, end), ...) of each param group in the flat buffer
+
+    @property
+    def padded(self) -> int:
+        unit = self.world * ALIGN
+        return -(-self.numel // unit) * unit
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.world
+
+    @property
+    def shard_start(self) -> int:
+        return self.rank * self.shard_size
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded flat tensor (a view)."""
+        return flat.narrow(0, self.shard_start, self.shard_size)
+
+    def segments(self) -> List[Segment]:
+        """The param groups present in this rank's shard, in shard coordinates."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_size
+        out = []
+        for g, (s, e) in enumerate(self.group_ranges):
+            a, b = max(s, lo), min(e, hi)
+            if a < b:
+                out.append(Segment(g, a - lo, b - lo))
+        return out
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        """A padded copy of an unpadded flat tensor of ``numel`` elements."""
+        if full.numel() != self.numel:
+            raise ValueError(f"expected {self.numel} elements, got {full.numel()}")
+        out = full.new_zeros(self.padded)
+        out[: self.numel].copy_(full)
+        return out
+
+
+class FlatParams:
+    """Makes the parameters of ``param_groups`` views of one padded flat buffer.
+
+    Parameters must share one dtype and device (DeepSpeed has already cast and moved the model).
+    ``buffer`` is what the all-gather writes; padding stays zero.
+    """
+
+    def __init__(self, param_groups: Sequence[dict], world: int, rank: int) -> None:
+        self.params: List[torch.nn.Parameter] = [p for g in param_groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters to train")
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"ds_lowcomm needs every trainable parameter in one dtype on one device; "
+                             f"got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+        ranges, offset = [], 0
+        self.offsets: Dict[int, int] = {}
+        for g in param_groups:
+            start = offset
+            for p in g["params"]:
+                self.offsets[id(p)] = offset
+                offset += p.numel()
+            ranges.append((start, offset))
+        self.layout = ShardLayout(offset, world, rank, tuple(ranges))
+        p0 = self.params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+        self.buffer = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p in self.params:
+                view = self.view(self.buffer, p)
+                view.copy_(p.data)
+                p.data = view
+
+    def view(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s slice of any flat tensor with this layout, shaped like ``p``."""
+        return flat.narrow(0, self.offsets[id(p)], p.numel()).view_as(p)
+
+    def unpadded(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[: self.layout.numel]
+
+
+class GradAccumulator:
+    """fp32 gradient sums in a flat buffer laid out like :class:`FlatParams`.
+
+    A post-accumulate-grad hook on each parameter adds ``p.grad`` into the buffer and frees it, so
+    accumulation is fp32 even for bf16 parameters, and immune to whoever zeroes ``p.grad``.
+    ``micro_batches`` counts the backward passes summed since the last :meth:`zero_`.
+    """
+
+    def __init__(self, flat: FlatParams) -> None:
+        self.flat = flat
+        self.buffer = torch.zeros(flat.layout.padded, dtype=torch.float32, device=flat.device)
+        self.micro_batches = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in flat.params]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        self.flat.view(self.buffer, p).add_(p.grad)
+        p.grad = None
+
+    def zero_(self) -> None:
+        self.buffer.zero_()
+        self.micro_batches = 0
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,66 @@
+"""Modes: what a round sends and how the shard is updated. One file per mode.
+
+A mode subclasses :class:`Mode`, declares its JSON options as a dataclass ``Options`` (validated as
+the ``"lowcomm": {"<name>": {...}}`` sub-object by :mod:`ds_lowcomm.config`), and is registered
+here with :func:`register`. Nothing else in the package needs to change to add one.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar, Dict, Type
+
+import torch
+
+if TYPE_CHECKING:
+    from ds_lowcomm.optimizer import LowCommOptimizer
+
+
+class Mode(abc.ABC):
+    """The algorithm behind a :class:`~ds_lowcomm.optimizer.LowCommOptimizer`.
+
+    The optimizer owns the flat buffers, the gradient accumulator, the topology and the comm
+    worker; the mode owns its optimizer state and decides what rounds to run and when.
+    """
+
+    name: ClassVar[str]
+    Options: ClassVar[type]
+
+    def __init__(self, opt: "LowCommOptimizer", options) -> None:
+        self.opt = opt
+        self.options = options
+
+    def on_micro_batch_end(self, boundary: bool) -> None:
+        """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """At an accumulation boundary: communicate and update (possibly asynchronously)."""
+
+    def flush(self) -> None:
+        """Finish and install any round in flight, so the model holds the latest update."""
+
+    @abc.abstractmethod
+    def master_weights(self) -> torch.Tensor:
+        """The full fp32 master weights, unpadded flat (collective: every rank must call it)."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """Full optimizer state, independent of world size (collective: every rank calls it)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict`, possibly written at another world size."""
+
+
+MODES: Dict[str, Type[Mode]] = {}
+
+
+def register(cls: Type[Mode]) -> Type[Mode]:
+    if not dataclasses.is_dataclass(cls.Options):
+        raise TypeError(f"{cls.__name__}.Options must be a dataclass")
+    MODES[cls.name] = cls
+    return cls
+
+
+from ds_lowcomm.modes import zero1  # noqa: E402,F401  (registers)

@@ -1,0 +1,147 @@
+"""LowCommOptimizer: the torch optimizer DeepSpeed drives, owning all data-parallel communication.
+
+DeepSpeed runs at ZeRO stage 0 with its gradient all-reduce switched off
+(``engine.enable_backward_allreduce = False``, the hook DeepSpeed's 1-bit Adam used), so this object
+is the only thing that moves gradients or parameters between ranks. It owns:
+
+- :class:`~ds_lowcomm.flat.FlatParams`: the parameters as views of one padded flat buffer;
+- :class:`~ds_lowcomm.flat.GradAccumulator`: fp32 gradient sums filled by post-accumulate hooks;
+- :class:`~ds_lowcomm.topology.Topology`: private shard / replica process groups;
+- :class:`~ds_lowcomm.worker.CommWorker` and :class:`~ds_lowcomm.comm.CommStats`;
+- the :class:`~ds_lowcomm.modes.Mode`, which owns the optimizer state and schedules rounds.
+
+``param_groups`` are the caller's dicts (a client optimizer's, or built from the JSON), so learning
+rate schedulers written against them keep working.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ds_lowcomm.checkpoint import FORMAT, CheckpointError, check_same_model
+from ds_lowcomm.comm import CommStats
+from ds_lowcomm.config import LowCommConfig
+from ds_lowcomm.flat import FlatParams, GradAccumulator
+from ds_lowcomm.modes import MODES
+from ds_lowcomm.topology import Topology
+from ds_lowcomm.worker import CommWorker
+
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+class LowCommOptimizer(torch.optim.Optimizer):
+    """AdamW whose state is sharded and whose communication is decided by a mode.
+
+    Args:
+        param_groups: dicts with ``"params"`` and AdamW hyperparameters (missing ones default to
+            torch's AdamW defaults). Parameters must already be on their device and dtype.
+        config: the validated ``"lowcomm"`` section.
+        gradient_clipping: global-norm clip applied after the reduction (0 = off).
+        comm_dtype: dtype gradients are reduced in.
+        param_names: for each parameter (by ``id``), every name it has in the module's state_dict.
+
+    Building it is collective (it creates process groups): every rank must construct it.
+    """
+
+    def __init__(self, param_groups: Sequence[dict], config: LowCommConfig, *, gradient_clipping: float,
+                 comm_dtype: torch.dtype, param_names: Dict[int, List[str]]) -> None:
+        super().__init__(list(param_groups), dict(ADAMW_DEFAULTS))
+        self.config = config
+        self.gradient_clipping = float(gradient_clipping or 0.0)
+        self.comm_dtype = comm_dtype
+        self.stats = CommStats()
+        self.checkpoint_stats = CommStats()
+        self.topology = Topology.build(config.shard_group_size, config.collective_timeout_s, self.stats)
+        self.checkpoint_comm = self.topology.shard.counted_in(self.checkpoint_stats)
+        self.flat = FlatParams(self.param_groups, self.topology.shard.world, self.topology.shard.rank)
+        self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
+        self.grads = GradAccumulator(self.flat)
+        self.worker = CommWorker(self.stats)
+        self.mode = MODES[config.mode](self, config.mode_options)
+        self.micro_batches = 0
+        self.steps = 0
+        # Read by DeepSpeed's engine after step() (engine.get_global_grad_norm, HF logging) and by
+        # accelerate (``step_was_skipped``): steps are never skipped.
+        self._global_grad_norm: Optional[float] = None
+        self.overflow = False
+
+    # -- training -------------------------------------------------------------------------------
+
+    def on_micro_batch_end(self, boundary: bool) -> None:
+        """Called by the engine after every backward pass (no communication)."""
+        self.grads.micro_batches += 1
+        self.micro_batches += 1
+        self.mode.on_micro_batch_end(boundary)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """At an accumulation boundary: the mode's communication and update. ``closure`` unsupported."""
+        if closure is not None:
+            raise ValueError("LowCommOptimizer.step does not take a closure")
+        self.mode.step()
+        self.steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the accumulator, which the mode clears; ``p.grad`` is always None."""
+        for p in self.flat.params:
+            p.grad = None
+
+    def flush(self) -> None:
+        """Install any update still in flight (call before exporting the final model)."""
+        self.mode.flush()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.grads.remove_hooks()
+
+    @torch.no_grad()
+    def set_params(self, full: torch.Tensor) -> None:
+        """Write an unpadded flat fp32 tensor into the model's parameters (no communication)."""
+        self.flat.unpadded(self.flat.buffer).copy_(full.to(self.flat.buffer.dtype))
+
+    def master_weights(self) -> torch.Tensor:
+        """Full unpadded fp32 master weights (collective)."""
+        return self.mode.master_weights()
+
+    def comm_stats(self) -> dict:
+        """Bytes and times since the start: per collective, per round, and averages per step."""
+        out = self.stats.as_dict()
+        steps = max(self.steps, 1)
+        out.update(steps=self.steps, micro_batches=self.micro_batches,
+                   bytes_sent_per_step=out["bytes_sent"] / steps,
+                   bytes_received_per_step=out["bytes_received"] / steps,
+                   wait_seconds_per_step=out["wait_seconds"] / steps)
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Full, world-size independent state (collective: DeepSpeed calls it on every rank)."""
+        return {"format": FORMAT, "mode": self.mode.name,
+                "param_names": self.param_names,
+                "param_shapes": [list(p.shape) for p in self.flat.params],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "steps": self.steps, "micro_batches": self.micro_batches,
+                **self.mode.state_dict()}
+
+    def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True, **_) -> None:
+        """Restore a :meth:`state_dict` written at any world size.
+
+        With ``load_optimizer_states=False`` only the fp32 master weights are taken (the moments
+        and step restart). Raises :class:`~ds_lowcomm.checkpoint.CheckpointError` for a checkpoint
+        of another model or mode.
+        """
+        check_same_model(state_dict, self.param_names, [list(p.shape) for p in self.flat.params])
+        if not load_optimizer_states:
+            self.mode.load_state_dict({"master": state_dict["master"]})
+            return
+        if state_dict["mode"] != self.mode.name:
+            raise CheckpointError(f"checkpoint was written in mode {state_dict['mode']!r}, this run "
+                                  f"uses {self.mode.name!r}; set lowcomm.mode to "
+                                  f"{state_dict['mode']!r} or load with load_optimizer_states=False")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        self.steps = state_dict["steps"]
+        self.micro_batches = state_dict["micro_batches"]
+        self.mode.load_state_dict(state_dict)

@@ -1,0 +1,60 @@
+"""Which ranks share optimizer state (shard groups) and which ranks hold the same shard (replicas).
+
+Ranks form shard groups of ``shard_group_size`` consecutive ranks (one node: fast links) and
+replica groups (ranks with the same index in every shard group: the slow links between nodes)::
+
+    world 4, shard_group_size 2:   shard groups  [0 1] [2 3]     replica groups  [0 2] [1 3]
+
+ZeRO-1 sharding happens inside a shard group; modes that exchange compressed or infrequent
+updates (DeMo, DES-LOC) talk across replica groups. All groups are private (``dist.new_group``)
+so our collectives never interleave with the training script's or DeepSpeed's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from ds_lowcomm.comm import Collectives, CommStats
+from ds_lowcomm.config import LowCommConfigError
+
+
+@dataclass
+class Topology:
+    world_size: int
+    rank: int
+    shard_group_size: int
+    shard: Collectives      # this rank's shard group (the whole world when shard_group_size == W)
+    replica: Optional[Collectives]  # this rank's replica group, None when there is one shard group
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.shard_group_size
+
+    @staticmethod
+    def build(shard_group_size: Optional[int], timeout_s: float, stats: CommStats) -> "Topology":
+        """Create the private groups. Collective over the world: every rank must call it."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        g = world if shard_group_size is None else shard_group_size
+        if g > world or world % g:
+            raise LowCommConfigError(
+                f"lowcomm.shard_group_size: got {g}, which does not divide the world size {world}; "
+                f"use a divisor of {world} (e.g. the number of ranks per node) or null")
+        timeout = timedelta(seconds=timeout_s)
+        shard = replica = None
+        # new_group is collective over the world and must be called for every group in the same
+        # order on every rank, including the groups this rank is not in.
+        for start in range(0, world, g):
+            ranks = list(range(start, start + g))
+            pg = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                shard = Collectives(pg, stats, timeout_s, "shard")
+        if g < world:
+            for index in range(g):
+                ranks = list(range(index, world, g))
+                pg = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    replica = Collectives(pg, stats, timeout_s, "replica")
+        return Topology(world, rank, g, shard, replica)

@@ -1,0 +1,60 @@
+"""Run a function on N real processes forming a gloo group (DeepSpeed's CPU accelerator)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, List, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, args, results, extra_env):
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    os.environ.update(extra_env or {})
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException as err:  # report to the parent, which fails the test
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300,
+              env: Optional[dict] = None) -> List[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns results by rank.
+
+    Raises if any rank raised, or if the group does not finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, env)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=timeout)
+            (out.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}: {value}"))
+            if errors:
+                break
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s; finished ranks: {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world)]

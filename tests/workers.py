@@ -1,0 +1,95 @@
+"""What the ranks of the distributed tests run: a tiny real GPT-2 trained through DeepSpeed."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+BASE_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10 ** 9,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                              "weight_decay": 0.1, "torch_adam": True}},
+    "zero_optimization": {"stage": 1},
+}
+
+
+def config(mode: Optional[str] = "zero1", bf16: bool = False, **lowcomm) -> dict:
+    cfg = copy.deepcopy(BASE_CONFIG)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if mode is not None:
+        cfg["lowcomm"] = {"mode": mode, **lowcomm}
+    return cfg
+
+
+def corpus() -> bytes:
+    if SHARED_TEXT.is_file():
+        return SHARED_TEXT.read_bytes()
+    import pydoc_data.topics
+
+    return "\n".join(pydoc_data.topics.topics.values()).encode()
+
+
+def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=256, n_positions=32, n_embd=n_embd, n_layer=n_layer, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def batch(step: int, micro: int, rank: int, mbs: int = 2, block: int = 32) -> torch.Tensor:
+    """A deterministic micro-batch of byte tokens: a function of (step, micro, rank) only."""
+    data = corpus()
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    starts = torch.randint(0, len(data) - block - 1, (mbs,), generator=g).tolist()
+    return torch.tensor([list(data[s: s + block]) for s in starts], dtype=torch.long)
+
+
+def build_engine(cfg: dict, seed: int = 0, model=None):
+    import deepspeed
+
+    import ds_lowcomm
+
+    ds_lowcomm.skip_shm_comm_build()
+    model = model if model is not None else tiny_gpt2(seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def params_digest(engine) -> str:
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(engine, steps: int, start: int = 0, rank: int = 0, digests: Optional[list] = None) -> List[float]:
+    """``steps`` optimizer steps (DeepSpeed loop: backward and step every micro-batch).
+
+    Returns the mean loss per step on this rank; appends a parameter digest after each step.
+    """
+    gas = engine.gradient_accumulation_steps()
+    losses = []
+    for step in range(start, start + steps):
+        total = 0.0
+        for micro in range(gas):
+            x = batch(step, micro, rank, engine.train_micro_batch_size_per_gpu())
+            loss = engine(x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / gas
+        losses.append(total)
+        if digests is not None:
+            digests.append(params_digest(engine))
+    return losses
