@@ -136,3 +136,24 @@ class Collectives:
         other = Collectives.__new__(Collectives)
         other.__dict__.update(self.__dict__, stats=stats)
         return other
+
+
+def deepspeed_logged_bytes(comms_dict: dict, world: int) -> Tuple[float, float]:
+    """(sent, received) bytes per rank from DeepSpeed's comms logger, by the table above.
+
+    ``comms_dict`` is ``deepspeed.comm.comm.comms_logger.comms_dict``
+    (``{op name: {message bytes: [count, ...]}}``). DeepSpeed 0.19.8 logs the argument named
+    ``tensor``: the full tensor for all-reduce and reduce-scatter, but the per-rank *input* for
+    ``all_gather_into_tensor``, whose output is W times larger. Collectives that are not part of
+    training steps (broadcast, barrier) are left out.
+    """
+    sent = received = 0.0
+    for name, sizes in comms_dict.items():
+        op = next((o for o in ("all_reduce", "all_gather", "reduce_scatter") if o in name), None)
+        if op is None:
+            continue
+        for nbytes, record in sizes.items():
+            s, r = wire_bytes(op, nbytes * world if op == "all_gather" else nbytes, world)
+            sent += record[0] * s
+            received += record[0] * r
+    return sent, received

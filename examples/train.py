@@ -1,0 +1,240 @@
+"""Train a small GPT-style causal LM with DeepSpeed, optionally under a ds_lowcomm mode.
+
+    deepspeed --num_gpus 2 examples/train.py --deepspeed ds_configs/zero1.json
+    torchrun --nproc_per_node 2 examples/train.py --deepspeed ds_configs/zero1.json
+
+On a CPU-only machine prefix ``DS_ACCELERATOR=cpu`` (the deepspeed launcher then takes
+``--num_accelerators 2`` instead of ``--num_gpus 2``). Without ``--data`` it trains on Python's own
+documentation (the text ``help()`` shows, shipped with every Python in ``pydoc_data``), byte-level,
+so it runs anywhere with no download. The last line on stdout is one JSON object with the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import deepspeed
+import ds_lowcomm  # noqa: F401  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+def builtin_corpus() -> str:
+    """Python's documentation topics (``pydoc_data.topics``): ~460 KB of English prose and code."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def read_corpus(path: str | None) -> tuple[str, str]:
+    if path is None:
+        return builtin_corpus(), "python-docs (built in)"
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".md", ".rst"))
+        if not files:
+            sys.exit(f"error: --data {path}: no .txt/.md/.rst files in that directory")
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), str(p)
+    if not p.is_file():
+        sys.exit(f"error: --data {path}: no such file or directory")
+    return p.read_text(encoding="utf-8", errors="replace"), str(p)
+
+
+class Tokenizer:
+    """``byte``: UTF-8 bytes, vocabulary 256. ``char``: the corpus's characters, sorted."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        self.kind = kind
+        if kind == "byte":
+            self.vocab_size = 256
+        else:
+            self.chars = sorted(set(text))
+            self.index = {c: i for i, c in enumerate(self.chars)}
+            self.vocab_size = len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        if self.kind == "byte":
+            return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+        return torch.tensor([self.index[c] for c in text], dtype=torch.long)
+
+
+def sample_batch(tokens: torch.Tensor, seed: int, step: int, micro: int, rank: int, mbs: int,
+                 block: int) -> torch.Tensor:
+    """Random windows; a pure function of (seed, step, micro-batch, rank) so resume is exact."""
+    g = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + micro) * 4099 + rank)
+    starts = torch.randint(0, len(tokens) - block - 1, (mbs,), generator=g)
+    return torch.stack([tokens[s: s + block + 1] for s in starts.tolist()])
+
+
+# -- arguments ------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # `--deepspeed PATH` (what users type, as with the HF Trainer) and DeepSpeed's own
+    # `--deepspeed --deepspeed_config PATH` both work.
+    ap.add_argument("--deepspeed", nargs="?", const=True, default=None, metavar="CONFIG",
+                    help="DeepSpeed JSON config (or a bare flag together with --deepspeed_config)")
+    ap.add_argument("--deepspeed_config", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--data", default=None, help="text file or directory (default: built-in Python docs)")
+    ap.add_argument("--tokenizer", choices=["byte", "char"], default="byte")
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
+    ap.add_argument("--eval-every", type=int, default=50, help="steps between validation runs (0: end only)")
+    ap.add_argument("--eval-iters", type=int, default=10, help="micro-batches per rank per validation")
+    ap.add_argument("--val-fraction", type=float, default=0.1, help="tail of the corpus held out")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--save-dir", default=None, help="checkpoint directory")
+    ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: end only)")
+    ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    args = ap.parse_args(argv)
+    if args.deepspeed is True or args.deepspeed is None:
+        args.deepspeed = args.deepspeed_config
+    if not args.deepspeed:
+        ap.error("a DeepSpeed config is required: --deepspeed ds_configs/zero1.json")
+    if args.resume and not args.save_dir:
+        ap.error("--resume needs --save-dir")
+    return args
+
+
+# -- training -------------------------------------------------------------------------------------
+
+def build_model(args, vocab_size: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=args.block_size, n_embd=args.n_embd,
+                     n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=args.dropout,
+                     embd_pdrop=args.dropout, attn_pdrop=args.dropout, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(args.seed)
+    return GPT2LMHeadModel(cfg)
+
+
+def mean_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.item() / torch.distributed.get_world_size()
+
+
+class ByteMeter:
+    """Bytes each rank sends/receives per step: ds_lowcomm's counters, or DeepSpeed's comms logger."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def per_step(self):
+        if hasattr(self.engine, "comm_stats"):
+            s = self.engine.comm_stats()
+            return s["bytes_sent_per_step"], s["bytes_received_per_step"], s["wait_seconds_per_step"]
+        from deepspeed.comm.comm import comms_logger
+
+        if not comms_logger.enabled or not self.engine.global_steps:
+            return None, None, None
+        from ds_lowcomm.comm import deepspeed_logged_bytes
+
+        sent, recv = deepspeed_logged_bytes(comms_logger.comms_dict, torch.distributed.get_world_size())
+        return sent / self.engine.global_steps, recv / self.engine.global_steps, None
+
+
+@torch.no_grad()
+def evaluate(engine, tokens, args, rank, mbs, step) -> float:
+    engine.eval()
+    total = 0.0
+    for i in range(args.eval_iters):
+        xy = sample_batch(tokens, args.seed + 1, step, i, rank, mbs, args.block_size).to(engine.device)
+        total += engine(xy[:, :-1], labels=xy[:, :-1]).loss.item()
+    engine.train()
+    return mean_over_ranks(total / args.eval_iters)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    ds_lowcomm.skip_shm_comm_build()
+    text, source = read_corpus(args.data)
+    tok = Tokenizer(args.tokenizer, text)
+    tokens = tok.encode(text)
+    n_val = int(len(tokens) * args.val_fraction)
+    train_tokens, val_tokens = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    if len(val_tokens) <= args.block_size + 1 or len(train_tokens) <= args.block_size + 1:
+        sys.exit(f"error: the corpus ({len(tokens)} tokens) is too small for --block-size {args.block_size}")
+
+    model = build_model(args, tok.vocab_size)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=args.deepspeed)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else "deepspeed"
+    mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = mbs * gas * world * args.block_size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"mode {mode} | {world} ranks | {n_params / 1e6:.2f}M params | data {source}: "
+        f"{len(train_tokens):,} train / {len(val_tokens):,} val {args.tokenizer} tokens | "
+        f"{tokens_per_step:,} tokens/step (micro-batch {mbs} x accumulation {gas} x {world} ranks)",
+        flush=True)
+
+    start = 0
+    if args.resume:
+        _, client = engine.load_checkpoint(args.save_dir)
+        start = int(client["step"])
+        say(f"resumed from {args.save_dir} at step {start}", flush=True)
+
+    meter = ByteMeter(engine)
+    losses, val_loss, train_time = [], float("nan"), 0.0
+    for step in range(start, args.max_steps):
+        t0 = time.perf_counter()
+        step_loss = 0.0
+        for micro in range(gas):
+            xy = sample_batch(train_tokens, args.seed, step, micro, rank, mbs, args.block_size).to(engine.device)
+            loss = engine(xy[:, :-1], labels=xy[:, :-1]).loss
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / gas
+        train_time += time.perf_counter() - t0
+        losses.append(step_loss)
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            sent, _, wait = meter.per_step()
+            tps = (done - start) * tokens_per_step / train_time
+            extra = f" | sent {sent / 1e6:.3f} MB/step" if sent is not None else ""
+            extra += f" | comm wait {wait * 1e3:.1f} ms/step" if wait is not None else ""
+            say(f"step {done}/{args.max_steps} | loss {step_loss:.4f} | "
+                f"lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s{extra}", flush=True)
+        if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
+            say(f"step {done}: val loss {evaluate(engine, val_tokens, args, rank, mbs, done):.4f}", flush=True)
+        if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps):
+            engine.save_checkpoint(args.save_dir, client_state={"step": done})
+            say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
+
+    val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps)
+    sent, received, wait = meter.per_step()
+    steps_run = args.max_steps - start
+    result = {
+        "mode": mode, "world_size": world,
+        "final_train_loss": mean_over_ranks(losses[-1]) if losses else float("nan"),
+        "val_loss": val_loss, "steps": args.max_steps, "tokens": args.max_steps * tokens_per_step,
+        "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else float("nan"),
+        "step_time_s": train_time / steps_run if steps_run else float("nan"),
+        "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
+        "comm_wait_s_per_step": wait, "params": n_params,
+    }
+    say(f"final: train loss {result['final_train_loss']:.4f} | val loss {val_loss:.4f} | "
+        f"{result['tokens_per_s']:,.0f} tok/s", flush=True)
+    say(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
