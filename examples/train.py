@@ -172,8 +172,11 @@ def main(argv=None) -> dict:
         sys.exit(f"error: the corpus ({len(tokens)} tokens) is too small for --block-size {args.block_size}")
 
     model = build_model(args, tok.vocab_size)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=args.deepspeed)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=args.deepspeed)
+    except ds_lowcomm.LowCommConfigError as err:
+        sys.exit(f"error: {args.deepspeed}: {err}")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else "deepspeed"
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -187,7 +190,12 @@ def main(argv=None) -> dict:
 
     start = 0
     if args.resume:
-        _, client = engine.load_checkpoint(args.save_dir)
+        try:
+            _, client = engine.load_checkpoint(args.save_dir)
+        except ds_lowcomm.CheckpointError as err:
+            sys.exit(f"error: --resume: {err}")
+        if client is None:  # stock DeepSpeed only warns when there is no checkpoint
+            sys.exit(f"error: --resume: no checkpoint found in {args.save_dir}")
         start = int(client["step"])
         say(f"resumed from {args.save_dir} at step {start}", flush=True)
 

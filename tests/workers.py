@@ -44,7 +44,8 @@ def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32):
 
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=256, n_positions=32, n_embd=n_embd, n_layer=n_layer, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, loss_type="ForCausalLM")
     return GPT2LMHeadModel(cfg)
 
 

@@ -1,0 +1,102 @@
+"""Bad configurations fail before training with one line naming the key."""
+import copy
+
+import pytest
+
+from ds_lowcomm.config import LowCommConfig, LowCommConfigError, parse
+from workers import config
+
+GOOD = config("zero1")
+
+
+def variant(edit):
+    cfg = copy.deepcopy(GOOD)
+    edit(cfg)
+    return cfg
+
+
+def _set(path, value):
+    def edit(cfg):
+        *head, last = path
+        node = cfg
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return edit
+
+
+def _del(*path):
+    def edit(cfg):
+        node = cfg
+        for k in path[:-1]:
+            node = node[k]
+        del node[path[-1]]
+    return edit
+
+
+BAD = [
+    # (edit, key the message must name, words it must contain)
+    (_set(("lowcomm", "mode"), "acc0"), "lowcomm.mode", "allowed"),
+    (_set(("lowcomm",), {"comm_dtype": "fp32"}), "lowcomm.mode", "missing"),
+    (_set(("lowcomm",), "zero1"), "lowcomm", "JSON object"),
+    (_set(("lowcomm", "comm_dtpye"), "bf16"), "lowcomm.comm_dtpye", "did you mean 'comm_dtype'"),
+    (_set(("lowcomm", "comm_dtype"), "fp8"), "lowcomm.comm_dtype", "allowed"),
+    (_set(("lowcomm", "comm_dtype"), "fp16"), "lowcomm.comm_dtype", "allowed"),
+    (_set(("lowcomm", "shard_group_size"), -2), "lowcomm.shard_group_size", ">= 1"),
+    (_set(("lowcomm", "shard_group_size"), 0), "lowcomm.shard_group_size", ">= 1"),
+    (_set(("lowcomm", "shard_group_size"), "2"), "lowcomm.shard_group_size", "integer"),
+    (_set(("lowcomm", "shard_group_size"), 1.5), "lowcomm.shard_group_size", "integer"),
+    (_set(("lowcomm", "collective_timeout_s"), 0), "lowcomm.collective_timeout_s", "> 0"),
+    (_set(("lowcomm", "collective_timeout_s"), True), "lowcomm.collective_timeout_s", "number"),
+    (_set(("lowcomm", "zero1"), {"bucket": 1}), "lowcomm.zero1.bucket", "unknown key"),
+    (_set(("lowcomm", "zero1"), [1]), "lowcomm.zero1", "JSON object"),
+    (_set(("lowcomm", "zerro1"), {}), "lowcomm.zerro1", "did you mean 'zero1'"),
+    (_set(("fp16",), {"enabled": True}), "fp16.enabled", "bf16"),
+    (_set(("zero_optimization", "stage"), 2), "zero_optimization.stage", "got 2"),
+    (_set(("zero_optimization", "stage"), 3), "zero_optimization.stage", "got 3"),
+    (_del("zero_optimization"), "zero_optimization.stage", "stage\": 1"),
+    (_set(("zero_optimization", "offload_optimizer"), {"device": "cpu"}), "zero_optimization.offload_optimizer", "offload"),
+    (_set(("zero_optimization", "offload_param"), {"device": "nvme"}), "zero_optimization.offload_param", "offload"),
+    (_set(("optimizer", "type"), "SGD"), "optimizer.type", "AdamW"),
+    (_set(("optimizer", "params", "momentum"), 0.9), "optimizer.params.momentum", "unknown key"),
+    (_set(("optimizer", "params", "adam_w_mode"), False), "optimizer.params.adam_w_mode", "decoupled"),
+    (_set(("optimizer", "params", "lr"), -1.0), "optimizer.params.lr", ">= 0"),
+    (_set(("data_types",), {"grad_accum_dtype": "bf16"}), "data_types.grad_accum_dtype", "fp32"),
+    (_set(("communication_data_type",), "fp16"), "communication_data_type", "allowed"),
+    (_set(("amp",), {"enabled": True}), "amp.enabled", "bf16"),
+    (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
+    (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
+]
+
+
+@pytest.mark.parametrize("edit,key,words", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_bad_config_names_the_key(edit, key, words):
+    with pytest.raises(LowCommConfigError) as info:
+        parse(variant(edit))
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(key + ":") or msg.startswith(key + " "), msg
+    assert words in msg, msg
+
+
+def test_good_config_defaults():
+    cfg = parse(GOOD)
+    assert cfg == LowCommConfig(mode="zero1", comm_dtype="auto", shard_group_size=None,
+                                collective_timeout_s=300.0, mode_options=cfg.mode_options)
+    assert parse(variant(_set(("lowcomm", "collective_timeout_s"), 5))).collective_timeout_s == 5.0
+    assert parse(variant(_set(("lowcomm", "comm_dtype"), "bf16"))).comm_dtype == "bf16"
+
+
+def test_initialize_rejects_before_touching_distributed():
+    """A bad config raises from deepspeed.initialize itself, before any process group exists."""
+    import deepspeed
+    import torch
+
+    import ds_lowcomm  # noqa: F401
+    from workers import tiny_gpt2
+
+    with pytest.raises(LowCommConfigError, match=r"^fp16\.enabled"):
+        deepspeed.initialize(model=tiny_gpt2(), config=variant(_set(("fp16",), {"enabled": True})))
+    with pytest.raises(LowCommConfigError, match=r"^optimizer: missing"):
+        deepspeed.initialize(model=tiny_gpt2(), config=variant(_del("optimizer")))
+    assert not torch.distributed.is_initialized()
