@@ -118,7 +118,8 @@ def build_model(args, vocab_size: int):
 
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=args.block_size, n_embd=args.n_embd,
                      n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=args.dropout,
-                     embd_pdrop=args.dropout, attn_pdrop=args.dropout, bos_token_id=0, eos_token_id=0)
+                     embd_pdrop=args.dropout, attn_pdrop=args.dropout, bos_token_id=0, eos_token_id=0,
+                     loss_type="ForCausalLM")
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(cfg)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -24,7 +25,9 @@ def _entry(fn, rank, world, port, args, results, extra_env):
         import torch
 
         torch.set_num_threads(1)
-        results.put((rank, "ok", fn(rank, world, *args)))
+        # Pickled here: tensors sent through the queue as-is would be shared memory that dies
+        # with this process.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException as err:  # report to the parent, which fails the test
         results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
@@ -45,7 +48,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300,
     try:
         for _ in range(world):
             rank, status, value = results.get(timeout=timeout)
-            (out.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}: {value}"))
+            if status == "ok":
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}: {value}")
             if errors:
                 break
     except queue.Empty:

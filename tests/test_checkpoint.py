@@ -1,0 +1,101 @@
+"""Checkpoints: exact resume, resume at another world size, fp32 export, clear errors."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import workers
+from dist import run_ranks
+
+N = 4
+
+
+def _straight_vs_resumed(rank, world, save_dir, bf16):
+    straight = workers.build_engine(workers.config("zero1", bf16=bf16))
+    d_straight = []
+    l_straight = workers.train(straight, 2 * N, rank=rank, digests=d_straight)
+
+    first = workers.build_engine(workers.config("zero1", bf16=bf16))
+    l_first = workers.train(first, N, rank=rank)
+    first.save_checkpoint(save_dir, client_state={"step": N})
+    master = first.optimizer.master_weights()
+    names = first.optimizer.param_names
+
+    # A fresh engine from another seed: everything must come from the checkpoint.
+    second = workers.build_engine(workers.config("zero1", bf16=bf16), seed=123)
+    _, client = second.load_checkpoint(save_dir)
+    d_resumed = []
+    l_second = workers.train(second, N, start=client["step"], rank=rank, digests=d_resumed)
+    return dict(straight=l_straight, resumed=l_first + l_second, d_straight=d_straight[N:],
+                d_resumed=d_resumed, master=master, names=names)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_resume_is_bit_identical(tmp_path, bf16):
+    r0, r1 = run_ranks(_straight_vs_resumed, 2, str(tmp_path), bf16)
+    for r in (r0, r1):
+        assert r["resumed"] == r["straight"]          # exact, not approximately
+        assert r["d_resumed"] == r["d_straight"]
+    assert r0["d_resumed"] == r1["d_resumed"]
+    if bf16:
+        return
+
+    # The export CLI writes the fp32 master weights under every state_dict name.
+    out = tmp_path / "fp32.pt"
+    subprocess.run([sys.executable, "-m", "ds_lowcomm.checkpoint", "export", str(tmp_path), str(out)],
+                   check=True, capture_output=True)
+    exported = torch.load(out)
+    offset = 0
+    for names in r0["names"]:
+        value = exported[names[0]]
+        n = value.numel()
+        assert value.dtype == torch.float32
+        assert torch.equal(value.flatten(), r0["master"][offset: offset + n])
+        for alias in names[1:]:  # tied weights (GPT-2's lm_head.weight is wte.weight)
+            assert torch.equal(exported[alias], value)
+        offset += n
+    assert offset == r0["master"].numel()
+    model = workers.tiny_gpt2()
+    model.load_state_dict(exported)  # strict: every key of the model is there
+
+    # The 2-rank checkpoint loads on 1 rank: same master, and training goes on from it.
+    (one,) = run_ranks(_load_and_train_alone, 1, str(tmp_path))
+    assert torch.equal(one["master"], r0["master"])
+    assert one["losses"][-1] < one["losses"][0] + 0.05 and all(l == l for l in one["losses"])
+
+
+def _load_and_train_alone(rank, world, save_dir):
+    engine = workers.build_engine(workers.config("zero1"), seed=7)
+    _, client = engine.load_checkpoint(save_dir)
+    master = engine.optimizer.master_weights()
+    losses = workers.train(engine, 3, start=client["step"], rank=rank)
+    return dict(master=master, losses=losses)
+
+
+def _load_errors(rank, world, save_dir, empty_dir):
+    from ds_lowcomm import CheckpointError
+
+    errors = {}
+    other = workers.build_engine(workers.config("zero1"), model=workers.tiny_gpt2(n_embd=48))
+    for name, path in (("other_model", save_dir), ("missing", empty_dir)):
+        try:
+            other.load_checkpoint(path)
+        except CheckpointError as err:
+            errors[name] = str(err)
+    return errors
+
+
+def test_checkpoint_errors(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    run_ranks(_save_small, 1, str(save_dir))
+    (errors,) = run_ranks(_load_errors, 1, str(save_dir), str(tmp_path / "empty"))
+    assert "different model" in errors["other_model"]
+    assert "[256, 32]" in errors["other_model"] and "[256, 48]" in errors["other_model"]
+    assert "no checkpoint" in errors["missing"]
+
+
+def _save_small(rank, world, save_dir):
+    engine = workers.build_engine(workers.config("zero1"))
+    workers.train(engine, 1, rank=rank)
+    engine.save_checkpoint(save_dir)
