@@ -1,0 +1,87 @@
+"""examples/train.py as users run it: torchrun or the deepspeed launcher, both --deepspeed forms."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import workers
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "train.py")
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+         "--eval-iters", "2", "--log-every", "2"]
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def torchrun(*args, launcher=None):
+    cmd = launcher or [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                       "--master_port", str(__import__("dist").free_port())]
+    proc = subprocess.run([*cmd, SCRIPT, *SMALL, *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # The script's last line is the JSON result; the deepspeed launcher prints its own exit lines
+    # after it, so take the script's last line (one starting with "{").
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    if launcher is None:
+        return json.loads(lines[-1]), proc.stdout
+    return json.loads([l for l in lines if l.startswith("{")][-1]), proc.stdout
+
+
+def test_train_save_resume_and_report(tmp_path):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_bytes(workers.corpus()[:200_000])
+    ckpt = str(tmp_path / "ckpt")
+    straight, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6",
+                             "--eval-every", "3", "--data", str(data))
+    for key in ("final_train_loss", "val_loss", "tokens", "steps", "tokens_per_s",
+                "bytes_sent_per_rank_per_step", "mode"):
+        assert key in straight
+    assert straight["mode"] == "zero1" and straight["steps"] == 6
+    assert straight["tokens"] == 6 * 8 * 4 * 2 * 32
+    assert straight["bytes_sent_per_rank_per_step"] > 0
+    assert "step 4/6 | loss" in log and "tok/s" in log and "MB/step" in log and "val loss" in log
+
+    torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "3", "--data", str(data),
+             "--save-dir", ckpt)
+    resumed, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6", "--data", str(data),
+                            "--save-dir", ckpt, "--resume")
+    assert "resumed from" in log
+    assert resumed["final_train_loss"] == straight["final_train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_stock_deepspeed_with_deepspeed_launcher_and_flag_form():
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2",
+                "--master_port", str(__import__("dist").free_port())]
+    result, _ = torchrun("--deepspeed", "--deepspeed_config", "ds_configs/deepspeed_zero1.json",
+                         "--max-steps", "2", "--eval-every", "0", launcher=launcher)
+    assert result["mode"] == "deepspeed" and result["val_loss"] == result["val_loss"]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--deepspeed", "cfg.json"], "cfg.json"),
+    (["--deepspeed", "--deepspeed_config", "cfg.json"], "cfg.json"),
+    (["--deepspeed_config", "cfg.json"], "cfg.json"),
+])
+def test_deepspeed_argument_forms(argv, expected):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+
+    assert train.parse_args(argv).deepspeed == expected
+
+
+def test_bad_config_is_one_line_error(tmp_path):
+    cfg = workers.config("zero1")
+    cfg["lowcomm"]["shard_group_size"] = 0
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, SCRIPT, "--deepspeed", str(path)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {path}: lowcomm.shard_group_size: got 0; must be >= 1")
+    assert "Traceback" not in proc.stderr
