@@ -1,0 +1,29 @@
+# Two commands on a fresh machine:  make train   (2-rank CPU training on the built-in corpus)
+#                                   make test    (the test suite)
+# Both create .venv and install into it first. On a CUDA machine, install your CUDA build of
+# torch into .venv before `make install` (pip would otherwise keep the one you have).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+
+.PHONY: install train test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	# torch first: an unpinned torch requested by another package pulls GBs of CUDA wheels.
+	$(PY) -m pip install "$(TORCH)"
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+train: install
+	$(CPU_ENV) $(PY) -m torch.distributed.run --nproc_per_node 2 examples/train.py --deepspeed ds_configs/zero1.json
+
+test: install
+	$(CPU_ENV) $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
