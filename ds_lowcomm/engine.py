@@ -83,13 +83,36 @@ class LowCommEngine(DeepSpeedEngine):
         groups = _param_groups(self, client_optimizer, model_parameters)
         self.optimizer = self.basic_optimizer = LowCommOptimizer(
             groups, cfg, gradient_clipping=self.gradient_clipping(),
-            comm_dtype=_comm_dtype(self, cfg), param_names=names)
+            comm_dtype=_comm_dtype(self, cfg), param_names=names,
+            gradient_accumulation_steps=self.gradient_accumulation_steps())
+        if self.optimizer.mode.drives_steps:
+            self.optimizer.on_step_completed = self._complete_lowcomm_step
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False
 
     def clip_fp32_gradients(self) -> None:
         """No-op: local gradients are unreduced; the optimizer clips after the reduce-scatter."""
+
+    def _drives_steps(self) -> bool:
+        opt = getattr(self, "optimizer", None)
+        return isinstance(opt, LowCommOptimizer) and opt.mode.drives_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """DeepSpeed's boundary, except for modes that complete steps themselves (acco): those
+        never present one, so ``engine.step()`` only counts micro-batches and the step's
+        bookkeeping runs in :meth:`_complete_lowcomm_step` when the mode applies an update."""
+        if self._drives_steps():
+            return False
+        return super().is_gradient_accumulation_boundary()
+
+    def _complete_lowcomm_step(self) -> None:
+        # What DeepSpeed's _take_model_step does after optimizer.step() (engine.py, 0.19.8).
+        self._global_grad_norm = self.optimizer._global_grad_norm
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
 
     def backward(self, loss, *args, **kwargs):
         out = super().backward(loss, *args, **kwargs)
@@ -99,6 +122,21 @@ class LowCommEngine(DeepSpeedEngine):
     def comm_stats(self) -> dict:
         """Bytes sent/received per collective and per step, rounds, time in flight and waited."""
         return self.optimizer.comm_stats()
+
+    def _rank_file(self, save_dir, tag) -> str:
+        return os.path.join(save_dir, str(tag), f"lowcomm_rank{self.global_rank:05d}.pt")
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+        """DeepSpeed's ``save_checkpoint`` (collective), plus a per-rank file when the mode keeps
+        per-rank state (e.g. acco's gradients accumulated mid-step)."""
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
+                                      save_latest=save_latest, **kwargs)
+        rank_state = self.optimizer.rank_state_dict()
+        if rank_state is not None:
+            torch.save(rank_state, self._rank_file(save_dir, tag))
+        torch.distributed.barrier()
+        return out
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         **kwargs):
@@ -114,5 +152,20 @@ class LowCommEngine(DeepSpeedEngine):
             raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
         opt = self.optimizer
         check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
-        return super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
-                                       load_optimizer_states=load_optimizer_states, **kwargs)
+        rank_path = self._rank_file(load_dir, tag)
+        needs_rank_state = load_optimizer_states and self.optimizer.mode.has_rank_state
+        if needs_rank_state and not os.path.isfile(rank_path):
+            raise CheckpointError(
+                f"{rank_path!r} does not exist: this mode keeps per-rank state and the checkpoint has "
+                f"none for rank {self.global_rank} (saved with fewer ranks, or by another mode?); "
+                f"load with load_optimizer_states=False to take the weights only")
+        out = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states, **kwargs)
+        if needs_rank_state:
+            self.optimizer.load_rank_state_dict(torch.load(rank_path, map_location=self.device,
+                                                           weights_only=False))
+        return out
+
+    def destroy(self):
+        self.optimizer.close()
+        super().destroy()

@@ -15,7 +15,7 @@ rate schedulers written against them keep working.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -39,17 +39,21 @@ class LowCommOptimizer(torch.optim.Optimizer):
         config: the validated ``"lowcomm"`` section.
         gradient_clipping: global-norm clip applied after the reduction (0 = off).
         comm_dtype: dtype gradients are reduced in.
+        gradient_accumulation_steps: micro-batches per optimizer step and rank (DeepSpeed divides
+            each micro-batch's loss by it).
         param_names: for each parameter (by ``id``), every name it has in the module's state_dict.
 
     Building it is collective (it creates process groups): every rank must construct it.
     """
 
     def __init__(self, param_groups: Sequence[dict], config: LowCommConfig, *, gradient_clipping: float,
-                 comm_dtype: torch.dtype, param_names: Dict[int, List[str]]) -> None:
+                 comm_dtype: torch.dtype, param_names: Dict[int, List[str]],
+                 gradient_accumulation_steps: int = 1) -> None:
         super().__init__(list(param_groups), dict(ADAMW_DEFAULTS))
         self.config = config
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.comm_dtype = comm_dtype
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps)
         self.stats = CommStats()
         self.checkpoint_stats = CommStats()
         self.topology = Topology.build(config.shard_group_size, config.collective_timeout_s, self.stats)
@@ -57,10 +61,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.flat = FlatParams(self.param_groups, self.topology.shard.world, self.topology.shard.rank)
         self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
         self.grads = GradAccumulator(self.flat)
-        self.worker = CommWorker(self.stats)
-        self.mode = MODES[config.mode](self, config.mode_options)
+        mode_cls = MODES[config.mode]
+        self.worker = CommWorker(self.stats, self.flat.device, asynchronous=mode_cls.asynchronous)
         self.micro_batches = 0
         self.steps = 0
+        #: called after each optimizer step a ``drives_steps`` mode completes (the engine's hook)
+        self.on_step_completed: Optional[Callable[[], None]] = None
+        self.mode = mode_cls(self, config.mode_options)
         # Read by DeepSpeed's engine after step() (engine.get_global_grad_norm, HF logging) and by
         # accelerate (``step_was_skipped``): steps are never skipped.
         self._global_grad_norm: Optional[float] = None
@@ -80,7 +87,12 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("LowCommOptimizer.step does not take a closure")
         self.mode.step()
+
+    def step_completed(self) -> None:
+        """Called by the mode when an optimizer step's update has been applied to the model."""
         self.steps += 1
+        if self.on_step_completed is not None:
+            self.on_step_completed()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the accumulator, which the mode clears; ``p.grad`` is always None."""
@@ -111,10 +123,18 @@ class LowCommOptimizer(torch.optim.Optimizer):
         out.update(steps=self.steps, micro_batches=self.micro_batches,
                    bytes_sent_per_step=out["bytes_sent"] / steps,
                    bytes_received_per_step=out["bytes_received"] / steps,
-                   wait_seconds_per_step=out["wait_seconds"] / steps)
+                   wait_seconds_per_step=out["wait_seconds"] / steps,
+                   round_seconds_per_step=out["round_seconds"] / steps, **self.mode.metrics())
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------
+
+    def rank_state_dict(self) -> Optional[dict]:
+        """This rank's own state (a per-rank file next to DeepSpeed's), or None if the mode has none."""
+        return self.mode.rank_state_dict()
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.mode.load_rank_state_dict(state)
 
     def state_dict(self) -> dict:
         """Full, world-size independent state (collective: DeepSpeed calls it on every rank)."""

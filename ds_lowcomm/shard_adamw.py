@@ -7,6 +7,7 @@ kernel (fused where the device has one) so results match ``torch.optim.AdamW`` o
 """
 from __future__ import annotations
 
+import math
 from typing import List, Sequence
 
 import torch
@@ -45,3 +46,45 @@ class ShardAdamW:
                          beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
                          eps=hp["eps"], maximize=False)
         self.step_count = step + 1
+
+    @torch.no_grad()
+    def estimate(self, grad: torch.Tensor, param_groups: Sequence[dict], out: torch.Tensor,
+                 chunk: int = 1 << 20) -> None:
+        """Write the parameters one AdamW step from ``grad`` would give into ``out``, touching
+        nothing: master, moments and step count are left bit-for-bit as they were.
+
+        ACCO's estimate round (arXiv 2406.02613): same lr, step index, moments and weight decay as
+        the real step that follows, only the gradient differs. Computed chunk by chunk, so it needs
+        a few chunk-sized temporaries instead of a 12-bytes-per-element snapshot of the state.
+        """
+        step = self.step_count + 1
+        for seg in self.segments:
+            hp = param_groups[seg.group]
+            beta1, beta2 = hp["betas"]
+            lr, wd, eps = hp["lr"], hp["weight_decay"], hp["eps"]
+            bc1, bc2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
+            for a in range(seg.start, seg.end, chunk):
+                sl = slice(a, min(a + chunk, seg.end))
+                g = grad[sl]
+                m = self.exp_avg[sl].mul(beta1).add_(g, alpha=1 - beta1)
+                v = self.exp_avg_sq[sl].mul(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = v.sqrt_().div_(bc2_sqrt).add_(eps)
+                theta = self.master[sl].mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / bc1)
+                out[sl].copy_(theta)
+
+    def full_state(self, comm) -> dict:
+        """Master, moments (full, unpadded, fp32) and step count (collective over ``comm``)."""
+        from ds_lowcomm.checkpoint import gather_full
+
+        return {"step": self.step_count,
+                **{k: gather_full(comm, self.layout, getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}}
+
+    def load_full_state(self, state: dict) -> None:
+        """Restore from :meth:`full_state` of any world size; without moments they restart at 0."""
+        from ds_lowcomm.checkpoint import shard_of
+
+        like = self.master
+        self.master = shard_of(state["master"], self.layout, like)
+        for k in ("exp_avg", "exp_avg_sq"):
+            setattr(self, k, shard_of(state[k], self.layout, like) if k in state else torch.zeros_like(like))
+        self.step_count = int(state.get("step", 0))

@@ -1,36 +1,123 @@
 """CommWorker: where rounds run, the only issuer of collectives during training.
 
-It runs a :class:`~ds_lowcomm.round.Round`'s ``run()`` and times it: ``round_seconds`` is time
-communication was in flight, ``wait_seconds`` the time the training thread was blocked on it.
-This worker executes rounds inline on the training thread (synchronous modes: the whole round is
-exposed, ``wait_seconds == round_seconds``); an asynchronous worker (side CUDA stream, or a host
-thread with gloo on CPU) keeps the same ``submit``/``wait`` contract.
+``submit(round)`` returns a :class:`Ticket`; ``poll``/``wait`` tell when the round's ``run()`` is
+over. Two ways of running:
+
+- inline (synchronous modes): ``run()`` executes inside ``submit`` on the training thread, all of
+  its time is exposed;
+- asynchronous: one host thread executes rounds in submission order, so every rank issues the same
+  collectives in the same order whatever its own timing. On CUDA the thread works on a side stream
+  that first waits for an event recorded on the training stream at submit time (the round's inputs
+  are ready), and records a done event the training stream waits on before installing the result.
+  Buffers are allocated once by the mode and reused, so no ``record_stream`` is needed. On CPU the
+  thread blocks in gloo, which releases the GIL, while the training thread computes.
+
+Stats: ``round_seconds`` (communication in flight) and ``wait_seconds`` (training thread blocked).
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from typing import Optional
+
+import torch
 
 from ds_lowcomm.comm import CommStats
 from ds_lowcomm.round import Round
 
 
+class Ticket:
+    """A submitted round: ``done`` is set when ``run()`` returned (or raised ``error``)."""
+
+    def __init__(self, rnd: Round) -> None:
+        self.round = rnd
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.ready_event = None  # CUDA: inputs ready on the training stream
+        self.done_event = None   # CUDA: outputs ready on the side stream
+
+
 class CommWorker:
-    """Executes rounds in submission order; ``wait(r)`` returns once ``r.run()`` has finished."""
+    """Runs rounds inline, or on one background thread (``asynchronous=True``)."""
 
-    def __init__(self, stats: CommStats) -> None:
+    def __init__(self, stats: CommStats, device: torch.device, asynchronous: bool = False) -> None:
         self.stats = stats
+        self.asynchronous = asynchronous
+        self.cuda = device.type == "cuda"
+        self._queue: "queue.Queue[Optional[Ticket]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        if asynchronous:
+            self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+            self._thread = threading.Thread(target=self._loop, name="ds_lowcomm-comm", daemon=True)
+            self._thread.start()
 
-    def submit(self, rnd: Round) -> None:
-        """Start ``rnd.run()``. Inline: returns when it is done; its time counts as waited."""
-        t0 = time.perf_counter()
-        rnd.run()
-        dt = time.perf_counter() - t0
-        self.stats.rounds += 1
-        self.stats.round_seconds += dt
-        self.stats.wait_seconds += dt
+    def submit(self, rnd: Round) -> Ticket:
+        """Start ``rnd.run()``. Call ``rnd.pack()`` first. Inline: returns when it is done."""
+        ticket = Ticket(rnd)
+        if not self.asynchronous:
+            t0 = time.perf_counter()
+            self._execute(ticket)
+            self.stats.wait_seconds += time.perf_counter() - t0
+            self._raise(ticket)
+            return ticket
+        if self.cuda:
+            ticket.ready_event = torch.cuda.Event()
+            ticket.ready_event.record()
+            ticket.done_event = torch.cuda.Event()
+        self._queue.put(ticket)
+        return ticket
 
-    def wait(self, rnd: Round) -> None:
-        """Block until ``rnd`` has run (already true for inline execution)."""
+    def poll(self, ticket: Ticket) -> bool:
+        """True once the round has run (raises its error if it failed). Never blocks."""
+        if not ticket.done.is_set():
+            return False
+        self._raise(ticket)
+        return True
+
+    def wait(self, ticket: Ticket) -> None:
+        """Block until the round has run; on CUDA also order the training stream after it."""
+        if not ticket.done.is_set():
+            t0 = time.perf_counter()
+            ticket.done.wait()
+            self.stats.wait_seconds += time.perf_counter() - t0
+        self._raise(ticket)
+        if ticket.done_event is not None:
+            torch.cuda.current_stream().wait_event(ticket.done_event)
 
     def close(self) -> None:
-        """Finish outstanding rounds and release resources."""
+        """Let queued rounds finish, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            ticket = self._queue.get()
+            if ticket is None:
+                return
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(ticket.ready_event)
+                    self._execute(ticket, stream=self.stream)
+            else:
+                self._execute(ticket)
+
+    def _execute(self, ticket: Ticket, stream=None) -> None:
+        t0 = time.perf_counter()
+        try:
+            ticket.round.run()
+            if stream is not None:
+                ticket.done_event.record(stream)
+                ticket.done_event.synchronize()
+        except BaseException as err:  # re-raised on the training thread by poll/wait
+            ticket.error = err
+        self.stats.rounds += 1
+        self.stats.round_seconds += time.perf_counter() - t0
+        ticket.done.set()
+
+    @staticmethod
+    def _raise(ticket: Ticket) -> None:
+        if ticket.error is not None:
+            raise ticket.error

@@ -76,6 +76,20 @@ def sample_batch(tokens: torch.Tensor, seed: int, step: int, micro: int, rank: i
 
 # -- arguments ------------------------------------------------------------------------------------
 
+def parse_slow_ranks(text: str) -> dict:
+    """``"1:3,2:1.5"`` -> ``{1: 3.0, 2: 1.5}``."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        rank, _, factor = part.partition(":")
+        try:
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected RANK:FACTOR, e.g. 1:3") from None
+        if out[int(rank)] < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: FACTOR must be >= 1")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # `--deepspeed PATH` (what users type, as with the HF Trainer) and DeepSpeed's own
@@ -101,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save-dir", default=None, help="checkpoint directory")
     ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: end only)")
     ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    ap.add_argument("--slow-ranks", type=parse_slow_ranks, default={}, metavar="RANK:FACTOR[,...]",
+                    help="emulate uneven hardware: these ranks take FACTOR times as long per micro-batch")
     args = ap.parse_args(argv)
     if args.deepspeed is True or args.deepspeed is None:
         args.deepspeed = args.deepspeed_config
@@ -149,6 +165,12 @@ class ByteMeter:
         sent, recv = deepspeed_logged_bytes(comms_logger.comms_dict, torch.distributed.get_world_size())
         return sent / self.engine.global_steps, recv / self.engine.global_steps, None
 
+    def micro_batches_per_round(self):
+        """This rank's recent average (acco): fewer on a slow rank, more on a fast one."""
+        if hasattr(self.engine, "comm_stats"):
+            return self.engine.comm_stats().get("micro_batches_per_round")
+        return None
+
 
 @torch.no_grad()
 def evaluate(engine, tokens, args, rank, mbs, step) -> float:
@@ -189,7 +211,7 @@ def main(argv=None) -> dict:
         f"{tokens_per_step:,} tokens/step (micro-batch {mbs} x accumulation {gas} x {world} ranks)",
         flush=True)
 
-    start = 0
+    start = engine.global_steps
     if args.resume:
         try:
             _, client = engine.load_checkpoint(args.save_dir)
@@ -197,30 +219,46 @@ def main(argv=None) -> dict:
             sys.exit(f"error: --resume: {err}")
         if client is None:  # stock DeepSpeed only warns when there is no checkpoint
             sys.exit(f"error: --resume: no checkpoint found in {args.save_dir}")
-        start = int(client["step"])
+        start = engine.global_steps
         say(f"resumed from {args.save_dir} at step {start}", flush=True)
 
     meter = ByteMeter(engine)
-    losses, val_loss, train_time = [], float("nan"), 0.0
-    for step in range(start, args.max_steps):
+    slow = args.slow_ranks.get(rank, 1.0)
+    if slow != 1.0:
+        print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
+    losses, train_time, micro_batches = [], 0.0, 0
+    step = engine.global_steps
+    while step < args.max_steps:
+        # One optimizer step: micro-batches until the engine has applied an update. That is
+        # gradient_accumulation_steps of them in synchronous modes; under acco a rank computes as
+        # many as fit while communication is in flight.
         t0 = time.perf_counter()
-        step_loss = 0.0
-        for micro in range(gas):
-            xy = sample_batch(train_tokens, args.seed, step, micro, rank, mbs, args.block_size).to(engine.device)
+        total, k = 0.0, 0
+        while engine.global_steps == step:
+            xy = sample_batch(train_tokens, args.seed, step, k, rank, mbs, args.block_size).to(engine.device)
+            tc = time.perf_counter()
             loss = engine(xy[:, :-1], labels=xy[:, :-1]).loss
             engine.backward(loss)
             engine.step()
-            step_loss += loss.item() / gas
+            total += loss.item()
+            k += 1
+            micro_batches += 1
+            if slow != 1.0:  # emulate a slower accelerator: stretch this micro-batch's compute
+                time.sleep((slow - 1.0) * (time.perf_counter() - tc))
         train_time += time.perf_counter() - t0
-        losses.append(step_loss)
-        done = step + 1
+        losses.append(total / k)
+        step = done = engine.global_steps
         if done % args.log_every == 0 or done == args.max_steps:
             sent, _, wait = meter.per_step()
-            tps = (done - start) * tokens_per_step / train_time
+            tps = micro_batches * mbs * args.block_size * world / train_time  # rank 0's pace
             extra = f" | sent {sent / 1e6:.3f} MB/step" if sent is not None else ""
             extra += f" | comm wait {wait * 1e3:.1f} ms/step" if wait is not None else ""
-            say(f"step {done}/{args.max_steps} | loss {step_loss:.4f} | "
+            per_round = meter.micro_batches_per_round()
+            extra += f" | {per_round:.2f} micro-batches/round" if per_round else ""
+            say(f"step {done}/{args.max_steps} | loss {losses[-1]:.4f} | "
                 f"lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s{extra}", flush=True)
+            if slow != 1.0 and per_round:
+                print(f"  rank {rank} (slowed {slow:g}x): {per_round:.2f} micro-batches/round", flush=True)
         if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
             say(f"step {done}: val loss {evaluate(engine, val_tokens, args, rank, mbs, done):.4f}", flush=True)
         if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps):
@@ -230,14 +268,19 @@ def main(argv=None) -> dict:
     val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps)
     sent, received, wait = meter.per_step()
     steps_run = args.max_steps - start
+    # Tokens actually trained on, all ranks: under acco a rank may compute more or fewer
+    # micro-batches per step than gradient_accumulation_steps.
+    tokens_run = int(round(mean_over_ranks(micro_batches) * world)) * mbs * args.block_size
     result = {
         "mode": mode, "world_size": world,
         "final_train_loss": mean_over_ranks(losses[-1]) if losses else float("nan"),
-        "val_loss": val_loss, "steps": args.max_steps, "tokens": args.max_steps * tokens_per_step,
-        "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else float("nan"),
+        "val_loss": val_loss, "steps": args.max_steps,
+        "tokens": start * tokens_per_step + tokens_run,
+        "tokens_per_s": tokens_run / train_time if train_time else float("nan"),
         "step_time_s": train_time / steps_run if steps_run else float("nan"),
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
         "comm_wait_s_per_step": wait, "params": n_params,
+        "micro_batches_per_round": meter.micro_batches_per_round(),
     }
     say(f"final: train loss {result['final_train_loss']:.4f} | val loss {val_loss:.4f} | "
         f"{result['tokens_per_s']:,.0f} tok/s", flush=True)

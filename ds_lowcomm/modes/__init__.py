@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, Dict, Type
+from typing import TYPE_CHECKING, ClassVar, Dict, Optional, Type
 
 import torch
 
@@ -25,6 +25,13 @@ class Mode(abc.ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type]
+    #: rounds run on a background CommWorker thread / side stream instead of inline
+    asynchronous: ClassVar[bool] = False
+    #: the mode decides when an optimizer step is complete (it calls ``opt.step_completed()``);
+    #: DeepSpeed's engine then never sees an accumulation boundary of its own
+    drives_steps: ClassVar[bool] = False
+    #: :meth:`rank_state_dict` returns state (checkpoints then need one file per rank)
+    has_rank_state: ClassVar[bool] = False
 
     def __init__(self, opt: "LowCommOptimizer", options) -> None:
         self.opt = opt
@@ -52,6 +59,17 @@ class Mode(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict`, possibly written at another world size."""
 
+    def metrics(self) -> dict:
+        """Mode-specific numbers for :meth:`LowCommOptimizer.comm_stats`."""
+        return {}
+
+    def rank_state_dict(self) -> Optional[dict]:
+        """State that differs between ranks (saved to a per-rank file), or None if there is none."""
+        return None
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`rank_state_dict` of the same rank."""
+
 
 MODES: Dict[str, Type[Mode]] = {}
 
@@ -63,4 +81,4 @@ def register(cls: Type[Mode]) -> Type[Mode]:
     return cls
 
 
-from ds_lowcomm.modes import zero1  # noqa: E402,F401  (registers)
+from ds_lowcomm.modes import acco, zero1  # noqa: E402,F401  (registers)

@@ -1,0 +1,199 @@
+"""acco: ACCO — Accumulate While You Communicate (Nabli et al., arXiv 2406.02613).
+
+Each optimizer step t is two rounds of ZeRO-1 communication, each overlapped with half a batch of
+gradient computation on the training thread::
+
+    round E(t)  worker: θ̃(t+1) = AdamW(θ(t), S(t); mean of the first-half grads), state untouched
+                compute meanwhile: second-half grads on θ(t)             (exact params, no delay)
+    round R(t)  worker: θ(t+1), S(t+1) = AdamW(θ(t), S(t); mean of first + second half)
+                compute meanwhile: next first-half grads on θ̃(t+1)      (the estimate)
+
+At every switch (a rank has computed GAS/2 micro-batches since the last one and the round in
+flight is done): install the round's all-gathered result as the model's parameters, hand the
+accumulator (and its micro-batch count) to the next round, and zero the accumulator only if the
+finished round was an estimate. A real round therefore gets both halves, an estimate round only
+the first; zeroing after a real round instead would degrade ACCO to DPU.
+
+``accumulate_while_waiting`` (default): a rank whose round is still in flight at a switch keeps
+computing micro-batches instead of waiting; the counts are all-reduced in the round and the sum is
+divided by the global count, so every micro-batch weighs the same whoever computed it.
+
+``variant: "dpu"``: one real round per step of GAS micro-batches, installed one step late
+(θ(t+1) = θ(t) − AdamW(g(θ(t−1)))), for comparison; no estimate.
+
+Cost per optimizer step: twice zero1's bytes (two rounds), hidden when a round takes less time
+than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
+accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradient shard).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+from ds_lowcomm.checkpoint import CheckpointError, gather_full
+from ds_lowcomm.config import LowCommConfigError, option
+from ds_lowcomm.modes import Mode, register
+from ds_lowcomm.shard_adamw import ShardAdamW
+from ds_lowcomm.sharded_step import ShardedStepRound
+from ds_lowcomm.worker import Ticket
+
+if TYPE_CHECKING:
+    from ds_lowcomm.optimizer import LowCommOptimizer
+
+
+@dataclass(frozen=True)
+class AccoOptions:
+    variant: str = option("acco", "'acco' (estimate + real round) or 'dpu' (delayed update)",
+                          choices=("acco", "dpu"))
+    accumulate_while_waiting: bool = option(True, "keep computing micro-batches while a round is "
+                                            "in flight instead of waiting for it")
+
+
+@register
+class Acco(Mode):
+    """ACCO (or DPU): sharded AdamW rounds on the CommWorker, overlapped with backward passes."""
+
+    name = "acco"
+    Options = AccoOptions
+    asynchronous = True
+    drives_steps = True
+    has_rank_state = True
+
+    def __init__(self, opt: "LowCommOptimizer", options: AccoOptions) -> None:
+        super().__init__(opt, options)
+        gas = opt.gradient_accumulation_steps
+        self.two_rounds = options.variant == "acco"
+        if self.two_rounds and gas % 2:
+            raise LowCommConfigError(
+                f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
+                f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
+        self.per_round = gas // 2 if self.two_rounds else gas
+        layout = opt.flat.layout
+        self.adamw = ShardAdamW(layout, opt.flat.buffer)
+        self.send = torch.zeros(layout.padded, dtype=opt.comm_dtype, device=opt.flat.device)
+        self.gathered = torch.zeros_like(opt.flat.buffer)
+        self.ticket: Optional[Ticket] = None  # the round in flight, or finished and not installed
+        self.next_estimate = self.two_rounds
+        self.since_switch = 0
+        self.round_counts: List[int] = []  # this rank's micro-batches in each launched round
+
+    # -- schedule ---------------------------------------------------------------------------------
+
+    def on_micro_batch_end(self, boundary: bool) -> None:
+        self.since_switch += 1
+        if self.since_switch < self.per_round:
+            return
+        finished_estimate = None
+        if self.ticket is not None:
+            if self.options.accumulate_while_waiting and not self.opt.worker.poll(self.ticket):
+                return  # still in flight: compute another micro-batch instead of waiting
+            finished_estimate = self._install()
+        self._launch(zero_after=not self.two_rounds or bool(finished_estimate))
+
+    def _install(self) -> bool:
+        """Make the finished round's result the model's parameters; returns whether it was an estimate."""
+        self.opt.worker.wait(self.ticket)
+        rnd = self.ticket.round
+        self.ticket = None
+        self.opt.flat.buffer.copy_(self.gathered)
+        rnd.install()
+        if not rnd.estimate:
+            # Before the next round is packed, so it reads the scheduler's next learning rate.
+            self.opt.step_completed()
+        return rnd.estimate
+
+    def _launch(self, zero_after: bool) -> None:
+        grads = self.opt.grads
+        self.send.copy_(grads.buffer)
+        count = grads.micro_batches
+        if zero_after:
+            grads.zero_()
+        rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=count,
+                               estimate=self.next_estimate)
+        rnd.pack()
+        self.ticket = self.opt.worker.submit(rnd)
+        self.round_counts.append(count)
+        self.next_estimate = self.two_rounds and not self.next_estimate
+        self.since_switch = 0
+
+    def step(self) -> None:
+        """Unused: ACCO's steps are driven from the backward passes (``drives_steps``)."""
+
+    def _settle(self) -> None:
+        """Wait for the round in flight (without installing it): the optimizer state is then stable."""
+        if self.ticket is not None:
+            self.opt.worker.wait(self.ticket)
+
+    def flush(self) -> None:
+        """Give the model the latest real parameters θ (the master), e.g. before a final export.
+
+        The pending round, if any, stays pending; training may go on after a flush.
+        """
+        self._settle()
+        self.opt.set_params(self.master_weights())
+
+    # -- state --------------------------------------------------------------------------------
+
+    def master_weights(self) -> torch.Tensor:
+        self._settle()
+        return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
+
+    def metrics(self) -> dict:
+        recent = self.round_counts[-16:]
+        return {"micro_batches_per_round": sum(recent) / len(recent) if recent else 0.0}
+
+    def state_dict(self) -> dict:
+        self._settle()
+        state = self.adamw.full_state(self.opt.checkpoint_comm)
+        pending = None
+        if self.ticket is not None:
+            rnd = self.ticket.round
+            pending = {"estimate": rnd.estimate, "grad_norm": rnd.grad_norm,
+                       "params": self.opt.flat.unpadded(self.gathered).clone()}
+        state["acco"] = {"variant": self.options.variant, "next_estimate": self.next_estimate,
+                         "pending": pending}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adamw.load_full_state(state)
+        saved = state.get("acco")
+        self.ticket = None
+        if saved is None:  # weights only: the schedule starts afresh from the master
+            self.next_estimate = self.two_rounds
+            self.since_switch = 0
+            self.opt.grads.zero_()
+            self.opt.set_params(state["master"])
+            return
+        if saved["variant"] != self.options.variant:
+            raise CheckpointError(f"checkpoint was written with lowcomm.acco.variant {saved['variant']!r}, "
+                                  f"this run uses {self.options.variant!r}")
+        self.next_estimate = saved["next_estimate"]
+        pending = saved["pending"]
+        if pending is not None:
+            # Re-create the finished, not yet installed round: the next switch installs it.
+            self.opt.flat.unpadded(self.gathered).copy_(pending["params"])
+            rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=0,
+                                   estimate=pending["estimate"])
+            rnd.grad_norm = pending["grad_norm"]
+            self.ticket = Ticket(rnd)
+            self.ticket.done.set()
+
+    def rank_state_dict(self) -> dict:
+        grads = self.opt.grads
+        return {"world_size": self.opt.topology.world_size, "accumulator": grads.buffer.clone(),
+                "micro_batches": grads.micro_batches, "since_switch": self.since_switch,
+                "round_counts": list(self.round_counts[-16:])}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        if state["world_size"] != self.opt.topology.world_size:
+            raise CheckpointError(
+                f"this acco checkpoint holds the gradients each of {state['world_size']} ranks had "
+                f"accumulated mid-step; resume it with {state['world_size']} ranks, or load with "
+                f"load_optimizer_states=False to keep only the weights")
+        grads = self.opt.grads
+        grads.buffer.copy_(state["accumulator"])
+        grads.micro_batches = state["micro_batches"]
+        self.since_switch = state["since_switch"]
+        self.round_counts = list(state["round_counts"])

@@ -1,0 +1,88 @@
+"""ShardedStepRound: reduce-scatter gradients, clip, AdamW on the shard, all-gather parameters.
+
+The round of every mode that keeps ZeRO-1's sharded AdamW (``zero1``, both rounds of ``acco``).
+Communication, over the shard group of W ranks, for P padded elements::
+
+    all-reduce      micro-batch count (only when counts can differ)   2(W-1)/W · 8 bytes
+    reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
+    all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
+    all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+from ds_lowcomm.round import Round
+from ds_lowcomm.shard_adamw import ShardAdamW
+
+if TYPE_CHECKING:
+    from ds_lowcomm.optimizer import LowCommOptimizer
+
+HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+class ShardedStepRound(Round):
+    """One sharded AdamW step from a flat gradient sum.
+
+    Args:
+        grads: padded flat gradient sums (fp32 or ``comm_dtype``), read by :meth:`run`.
+        target: padded flat buffer (model dtype) the all-gather writes the new parameters into.
+        scale: multiplies the reduced gradient sum. DeepSpeed has divided each micro-batch's loss
+            by ``gradient_accumulation_steps`` (GAS), so with GAS micro-batches on each of W ranks
+            the mean is ``sum / W``.
+        local_count: instead of ``scale``, the number of micro-batches summed on this rank when
+            ranks may differ; the counts are all-reduced and ``scale = GAS / global count``, so
+            every micro-batch weighs the same whoever computed it.
+        estimate: write the step's result into ``target`` without updating the optimizer state
+            (:meth:`ShardAdamW.estimate`).
+    """
+
+    def __init__(self, opt: "LowCommOptimizer", adamw: ShardAdamW, grads: torch.Tensor,
+                 target: torch.Tensor, *, scale: Optional[float] = None,
+                 local_count: Optional[int] = None, estimate: bool = False) -> None:
+        if (scale is None) == (local_count is None):
+            raise ValueError("give exactly one of scale and local_count")
+        self.opt, self.adamw, self.grads, self.target = opt, adamw, grads, target
+        self.scale, self.local_count, self.estimate = scale, local_count, estimate
+        self.grad_norm: float = float("nan")
+        self.global_count: Optional[int] = None
+
+    def pack(self) -> None:
+        # Hyperparameters in force now (a scheduler may change them while the round runs).
+        self.hyper: List[dict] = [{k: g[k] for k in HYPERPARAMS} for g in self.opt.param_groups]
+
+    def run(self) -> None:
+        comm, layout = self.opt.topology.shard, self.opt.flat.layout
+        scale = self.scale
+        if self.local_count is not None:
+            count = torch.tensor([float(self.local_count)], dtype=torch.float64, device=self.grads.device)
+            comm.all_reduce(count)
+            self.global_count = int(count.item())
+            scale = self.opt.gradient_accumulation_steps / self.global_count
+        send = self.grads if self.grads.dtype == self.opt.comm_dtype else self.grads.to(self.opt.comm_dtype)
+        recv = send.new_empty(layout.shard_size)
+        comm.reduce_scatter(recv, send)
+        grad = recv.float() if recv.dtype != torch.float32 else recv
+        grad.mul_(scale)
+        norm_sq = grad.double().square().sum().float().reshape(1)
+        comm.all_reduce(norm_sq)
+        self.grad_norm = math.sqrt(norm_sq.item())
+        clip = self.opt.gradient_clipping
+        if clip > 0:
+            # DeepSpeed's ZeRO rule (stage_1_and_2.py unscale_and_clip_grads), so runs match stock.
+            factor = (self.grad_norm + 1e-6) / clip
+            if factor > 1:
+                grad.mul_(1.0 / factor)
+        out = self.adamw.master.to(self.target.dtype)
+        if self.estimate:
+            self.adamw.estimate(grad, self.hyper, out)
+        else:
+            self.adamw.step(grad, self.hyper)
+            out.copy_(self.adamw.master)
+        comm.all_gather(self.target, out)
+
+    def install(self) -> None:
+        self.opt._global_grad_norm = self.grad_norm
