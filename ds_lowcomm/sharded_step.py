@@ -76,7 +76,7 @@ class ShardedStepRound(Round):
             factor = (self.grad_norm + 1e-6) / clip
             if factor > 1:
                 grad.mul_(1.0 / factor)
-        out = self.adamw.master.to(self.target.dtype)
+        out = self.adamw.master.to(self.target.dtype, copy=True)
         if self.estimate:
             self.adamw.estimate(grad, self.hyper, out)
         else:

@@ -27,8 +27,9 @@ accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradie
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Deque, Optional
 
 import torch
 
@@ -77,7 +78,10 @@ class Acco(Mode):
         self.ticket: Optional[Ticket] = None  # the round in flight, or finished and not installed
         self.next_estimate = self.two_rounds
         self.since_switch = 0
-        self.round_counts: List[int] = []  # this rank's micro-batches in each launched round
+        # This rank's recent history: micro-batches computed between switches, and summed into
+        # each launched round (bounded: metrics and tests read the tail).
+        self.block_sizes: Deque[int] = deque(maxlen=4096)
+        self.round_counts: Deque[int] = deque(maxlen=4096)
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -115,6 +119,7 @@ class Acco(Mode):
         rnd.pack()
         self.ticket = self.opt.worker.submit(rnd)
         self.round_counts.append(count)
+        self.block_sizes.append(self.since_switch)
         self.next_estimate = self.two_rounds and not self.next_estimate
         self.since_switch = 0
 
@@ -141,7 +146,7 @@ class Acco(Mode):
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
 
     def metrics(self) -> dict:
-        recent = self.round_counts[-16:]
+        recent = list(self.round_counts)[-16:]
         return {"micro_batches_per_round": sum(recent) / len(recent) if recent else 0.0}
 
     def state_dict(self) -> dict:
@@ -184,7 +189,7 @@ class Acco(Mode):
         grads = self.opt.grads
         return {"world_size": self.opt.topology.world_size, "accumulator": grads.buffer.clone(),
                 "micro_batches": grads.micro_batches, "since_switch": self.since_switch,
-                "round_counts": list(self.round_counts[-16:])}
+                "round_counts": list(self.round_counts), "block_sizes": list(self.block_sizes)}
 
     def load_rank_state_dict(self, state: dict) -> None:
         if state["world_size"] != self.opt.topology.world_size:
@@ -196,4 +201,7 @@ class Acco(Mode):
         grads.buffer.copy_(state["accumulator"])
         grads.micro_batches = state["micro_batches"]
         self.since_switch = state["since_switch"]
-        self.round_counts = list(state["round_counts"])
+        self.round_counts.clear()
+        self.round_counts.extend(state["round_counts"])
+        self.block_sizes.clear()
+        self.block_sizes.extend(state["block_sizes"])
