@@ -193,6 +193,9 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
 
 def parse(ds: Mapping[str, Any]) -> LowCommConfig:
     """Validate a whole DeepSpeed config dict that has a ``"lowcomm"`` section."""
+    from ds_lowcomm.modes import MODES
+
     cfg = LowCommConfig.from_dict(ds[SECTION])
     check_deepspeed_config(ds)
+    MODES[cfg.mode].check_deepspeed_config(ds, cfg.mode_options)
     return cfg

@@ -18,6 +18,9 @@ from ds_lowcomm.checkpoint import MODEL_FILE, CheckpointError, check_same_model,
 from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError
 from ds_lowcomm.optimizer import LowCommOptimizer
 
+# comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
+MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "wait_seconds_per_step",
+             "round_seconds_per_step", "micro_batches_per_round")
 _DROPPED_JSON_PARAMS = ("torch_adam", "adam_w_mode", "fused", "foreach")
 _ADAM_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "LowCommOptimizer")
 
@@ -85,8 +88,7 @@ class LowCommEngine(DeepSpeedEngine):
             groups, cfg, gradient_clipping=self.gradient_clipping(),
             comm_dtype=_comm_dtype(self, cfg), param_names=names,
             gradient_accumulation_steps=self.gradient_accumulation_steps())
-        if self.optimizer.mode.drives_steps:
-            self.optimizer.on_step_completed = self._complete_lowcomm_step
+        self.optimizer.on_step_completed = self._after_lowcomm_step
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False
@@ -101,18 +103,24 @@ class LowCommEngine(DeepSpeedEngine):
     def is_gradient_accumulation_boundary(self) -> bool:
         """DeepSpeed's boundary, except for modes that complete steps themselves (acco): those
         never present one, so ``engine.step()`` only counts micro-batches and the step's
-        bookkeeping runs in :meth:`_complete_lowcomm_step` when the mode applies an update."""
+        bookkeeping runs in :meth:`_after_lowcomm_step` when the mode applies an update."""
         if self._drives_steps():
             return False
         return super().is_gradient_accumulation_boundary()
 
-    def _complete_lowcomm_step(self) -> None:
-        # What DeepSpeed's _take_model_step does after optimizer.step() (engine.py, 0.19.8).
-        self._global_grad_norm = self.optimizer._global_grad_norm
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+    def _after_lowcomm_step(self) -> None:
+        """Called by the optimizer when an update has been applied to the model."""
+        if self._drives_steps():
+            # What DeepSpeed's _take_model_step does after optimizer.step() (engine.py, 0.19.8).
+            self._global_grad_norm = self.optimizer._global_grad_norm
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        if self.monitor.enabled and self.global_rank == 0:
+            s = self.optimizer.comm_stats()
+            step = self.global_samples
+            self.monitor.write_events([(f"Train/lowcomm/{k}", float(s[k]), step) for k in MONITORED if k in s])
 
     def backward(self, loss, *args, **kwargs):
         out = super().backward(loss, *args, **kwargs)

@@ -112,10 +112,12 @@ def test_matches_simulation(variant, wait, slow_rank):
         assert torch.equal(r[0]["live"], r[0]["master"])
 
 
-def _estimate_leaves_no_trace(rank, world):
+def _estimate_leaves_no_trace(rank, world, monitor_dir):
     from ds_lowcomm.sharded_step import ShardedStepRound
 
-    engine = workers.build_engine(acco_config())
+    cfg = acco_config()
+    cfg["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "acco"}
+    engine = workers.build_engine(cfg)
     for j in range(3 * GAS):
         x = workers.batch(j, 0, rank)
         engine.backward(engine(x, labels=x).loss)
@@ -134,10 +136,15 @@ def _estimate_leaves_no_trace(rank, world):
     return same, moved
 
 
-def test_estimate_leaves_no_trace():
-    for same, moved in run_ranks(_estimate_leaves_no_trace, 2):
+def test_estimate_leaves_no_trace(tmp_path):
+    for same, moved in run_ranks(_estimate_leaves_no_trace, 2, str(tmp_path)):
         assert same
         assert moved > 0  # the estimate is a real step away from the master
+    # Per-step metrics reach DeepSpeed's monitor (here its CSV writer).
+    logged = {p.name: p.read_text().splitlines() for p in tmp_path.rglob("*.csv")}
+    sent = next(v for k, v in logged.items() if "bytes_sent_per_step" in k)
+    assert len(sent) >= 3 and float(sent[-1].split(",")[1]) > 0
+    assert any("micro_batches_per_round" in k for k in logged)
 
 
 def _resume(rank, world, save_dir, total, cut):

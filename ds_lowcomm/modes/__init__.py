@@ -37,6 +37,10 @@ class Mode(abc.ABC):
         self.opt = opt
         self.options = options
 
+    @classmethod
+    def check_deepspeed_config(cls, ds: dict, options) -> None:
+        """Reject DeepSpeed settings this mode cannot run (raise ``LowCommConfigError``)."""
+
     def on_micro_batch_end(self, boundary: bool) -> None:
         """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
 

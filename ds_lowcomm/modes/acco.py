@@ -62,14 +62,18 @@ class Acco(Mode):
     drives_steps = True
     has_rank_state = True
 
+    @classmethod
+    def check_deepspeed_config(cls, ds: dict, options: AccoOptions) -> None:
+        gas = ds.get("gradient_accumulation_steps", 1)
+        if options.variant == "acco" and isinstance(gas, int) and gas % 2:
+            raise LowCommConfigError(
+                f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
+                f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
+
     def __init__(self, opt: "LowCommOptimizer", options: AccoOptions) -> None:
         super().__init__(opt, options)
         gas = opt.gradient_accumulation_steps
         self.two_rounds = options.variant == "acco"
-        if self.two_rounds and gas % 2:
-            raise LowCommConfigError(
-                f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
-                f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
         self.per_round = gas // 2 if self.two_rounds else gas
         layout = opt.flat.layout
         self.adamw = ShardAdamW(layout, opt.flat.buffer)
