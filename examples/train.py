@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -115,6 +116,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save-dir", default=None, help="checkpoint directory")
     ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: end only)")
     ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    ap.add_argument("--log-json", default=None, metavar="FILE",
+                    help="rank 0 appends one JSON record per logged step (for plots)")
+    ap.add_argument("--link-counter", action="store_true",
+                    help="report bytes that crossed the loopback interface during training (meaningful "
+                         "only in a private network namespace, as ds_lowcomm.bench runs it)")
     ap.add_argument("--slow-ranks", type=parse_slow_ranks, default={}, metavar="RANK:FACTOR[,...]",
                     help="emulate uneven hardware: these ranks take FACTOR times as long per micro-batch")
     args = ap.parse_args(argv)
@@ -138,6 +144,17 @@ def build_model(args, vocab_size: int):
                      loss_type="ForCausalLM")
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(cfg)
+
+
+def read_link_bytes() -> int:
+    with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
 
 
 def mean_over_ranks(x: float) -> float:
@@ -227,6 +244,8 @@ def main(argv=None) -> dict:
     if slow != 1.0:
         print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
     losses, train_time, micro_batches = [], 0.0, 0
+    records = open(args.log_json, "a") if (args.log_json and rank == 0) else None
+    link_start = read_link_bytes() if args.link_counter else None
     step = engine.global_steps
     while step < args.max_steps:
         # One optimizer step: micro-batches until the engine has applied an update. That is
@@ -259,12 +278,19 @@ def main(argv=None) -> dict:
                 f"lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s{extra}", flush=True)
             if slow != 1.0 and per_round:
                 print(f"  rank {rank} (slowed {slow:g}x): {per_round:.2f} micro-batches/round", flush=True)
+            if records:
+                records.write(json.dumps({"step": done, "train_s": train_time, "loss": losses[-1],
+                                          "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
         if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
-            say(f"step {done}: val loss {evaluate(engine, val_tokens, args, rank, mbs, done):.4f}", flush=True)
+            vl = evaluate(engine, val_tokens, args, rank, mbs, done)
+            say(f"step {done}: val loss {vl:.4f}", flush=True)
+            if records:
+                records.write(json.dumps({"step": done, "val_loss": vl}) + "\n")
         if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps):
             engine.save_checkpoint(args.save_dir, client_state={"step": done})
             say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
 
+    link_bytes = read_link_bytes() - link_start if link_start is not None else None
     val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps)
     sent, received, wait = meter.per_step()
     steps_run = args.max_steps - start
@@ -281,9 +307,14 @@ def main(argv=None) -> dict:
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
         "comm_wait_s_per_step": wait, "params": n_params,
         "micro_batches_per_round": meter.micro_batches_per_round(),
+        # Loopback counts every rank's traffic once: per rank is the total over the world size.
+        "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,
+        "peak_rss_mb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
     say(f"final: train loss {result['final_train_loss']:.4f} | val loss {val_loss:.4f} | "
         f"{result['tokens_per_s']:,.0f} tok/s", flush=True)
+    if records:
+        records.close()
     say(json.dumps(result), flush=True)
     return result
 
