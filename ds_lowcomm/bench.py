@@ -95,6 +95,8 @@ def write_config(mode: str, args, out: Path) -> Path:
                                           warmup_num_steps=max(1, args.steps // 10))
     if args.comm_dtype and "lowcomm" in cfg:
         cfg["lowcomm"]["comm_dtype"] = args.comm_dtype
+    if args.acco_wait and "acco" in cfg.get("lowcomm", {}):
+        cfg["lowcomm"]["acco"]["accumulate_while_waiting"] = False
     path = out / "configs" / f"{mode}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg, indent=2))
@@ -212,8 +214,8 @@ def summarize(mode: str, runs: List[dict], bandwidth: Optional[str]) -> dict:
             "records": runs[len(runs) // 2]["records"]}
 
 
-def _fmt(x, spec):
-    return "–" if x is None else format(x, spec)
+def _fmt(x, spec, unit=""):
+    return "–" if x is None else format(x, spec) + unit
 
 
 def markdown(config: dict, runs: List[dict]) -> str:
@@ -227,8 +229,8 @@ def markdown(config: dict, runs: List[dict]) -> str:
         vs_ideal = r["tokens_per_s"] / ideal["tokens_per_s"] if ideal else None
         mb = r["bytes_sent_per_rank_per_step"]
         link = r["link_bytes_per_step"]
-        rows.append(f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {_fmt(vs_stock, '.2f')}× | "
-                    f"{_fmt(vs_ideal, '.2f')}× | {r['step_time_s']:.3f} | "
+        rows.append(f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {_fmt(vs_stock, '.2f', '×')} | "
+                    f"{_fmt(vs_ideal, '.2f', '×')} | {r['step_time_s']:.3f} | "
                     f"{_fmt(r['exposed_comm_s_per_step'], '.3f')} | {_fmt(mb / 1e6 if mb is not None else None, '.3f')} | "
                     f"{_fmt(link / 1e6 if link is not None else None, '.3f')} | {r['final_train_loss']:.4f} | "
                     f"{r['val_loss']:.4f} | {_fmt(r['peak_rss_mb'], '.0f')} |")
@@ -301,6 +303,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-iters", type=int, default=10)
     ap.add_argument("--slow-rank", default=None, metavar="RANK:FACTOR[,...]",
                     help="uneven hardware: these ranks take FACTOR times as long per micro-batch")
+    ap.add_argument("--acco-wait", action="store_true",
+                    help="acco/dpu wait for the round in flight at each switch instead of computing more "
+                         "micro-batches: exactly the tokens per step of zero1, for loss comparisons")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the table shows medians")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench_results")
@@ -320,7 +325,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     link = Link(args.bandwidth, args.latency)
     config = {k: getattr(args, k) for k in ("world_size", "bandwidth", "latency", "model", "steps", "micro_batch",
-                                           "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "repeat", "seed")}
+                                           "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "acco_wait", "repeat", "seed")}
     config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency,
                   command="python -m ds_lowcomm.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     total = len(args.mode_list) * args.repeat

@@ -173,7 +173,3 @@ class LowCommEngine(DeepSpeedEngine):
             self.optimizer.load_rank_state_dict(torch.load(rank_path, map_location=self.device,
                                                            weights_only=False))
         return out
-
-    def destroy(self):
-        self.optimizer.close()
-        super().destroy()

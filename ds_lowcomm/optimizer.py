@@ -103,7 +103,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Install any update still in flight (call before exporting the final model)."""
         self.mode.flush()
 
-    def close(self) -> None:
+    def destroy(self) -> None:
+        """Stop the comm worker and remove the gradient hooks (``engine.destroy()`` calls it)."""
         self.worker.close()
         self.grads.remove_hooks()
 

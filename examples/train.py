@@ -316,6 +316,10 @@ def main(argv=None) -> dict:
     if records:
         records.close()
     say(json.dumps(result), flush=True)
+    # Tear down in step: no rank may close its sockets while another is still in a collective.
+    engine.destroy()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return result
 
 
