@@ -45,6 +45,7 @@ class CommWorker:
         self.stats = stats
         self.asynchronous = asynchronous
         self.cuda = device.type == "cuda"
+        self.device = device
         self._queue: "queue.Queue[Optional[Ticket]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         if asynchronous:
@@ -93,6 +94,8 @@ class CommWorker:
             self._thread = None
 
     def _loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # the current device is per thread
         while True:
             ticket = self._queue.get()
             if ticket is None:

@@ -18,21 +18,25 @@ def acco_config(variant="acco", wait=False, gas=GAS):
     return cfg
 
 
-def _train_acco(rank, world, variant, wait, slow_rank):
+def _train_acco(rank, world, variant, wait, slow_rank, step_every):
     engine = workers.build_engine(acco_config(variant, wait))
     j = 0
     while engine.global_steps < STEPS:
         x = workers.batch(j, 0, rank)  # this rank's j-th micro-batch
         t0 = time.perf_counter()
         engine.backward(engine(x, labels=x).loss)
-        engine.step()
+        if (j + 1) % step_every == 0:  # HF/accelerate call engine.step() only at their boundaries
+            engine.step()
         j += 1
         if rank == slow_rank:
             time.sleep(3 * (time.perf_counter() - t0) + 0.01)
     opt = engine.optimizer
     live = opt.flat.unpadded(opt.flat.buffer).clone()
+    master = opt.master_weights()
+    opt.flush()  # the model now holds the latest real update, whatever was in flight
+    flushed = torch.equal(opt.flat.unpadded(opt.flat.buffer), master)
     return dict(blocks=list(opt.mode.block_sizes), counts=list(opt.mode.round_counts),
-                master=opt.master_weights(), live=live, micro_batches=j, steps=opt.steps)
+                master=master, live=live, micro_batches=j, steps=opt.steps, flushed=flushed)
 
 
 def simulate(blocks, variant, cfg):
@@ -88,13 +92,14 @@ def simulate(blocks, variant, cfg):
     return master.detach(), live
 
 
-@pytest.mark.parametrize("variant,wait,slow_rank", [
-    ("acco", False, None),   # the nominal schedule: GAS/2 micro-batches per round on every rank
-    ("acco", True, 1),       # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits
-    ("dpu", False, None),
-], ids=["acco", "acco-uneven", "dpu"])
-def test_matches_simulation(variant, wait, slow_rank):
-    r = run_ranks(_train_acco, 2, variant, wait, slow_rank)
+@pytest.mark.parametrize("variant,wait,slow_rank,step_every", [
+    ("acco", False, None, 1),    # the nominal schedule: GAS/2 micro-batches per round on every rank
+    ("acco", False, None, GAS),  # the same, engine.step() only every GAS micro-batches (HF loop)
+    ("acco", True, 1, 1),        # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits
+    ("dpu", False, None, 1),
+], ids=["acco", "acco-hf-loop", "acco-uneven", "dpu"])
+def test_matches_simulation(variant, wait, slow_rank, step_every):
+    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every)
     blocks = [x["blocks"] for x in r]
     assert r[0]["steps"] == STEPS and len(blocks[0]) == len(blocks[1])
     if slow_rank is None:
@@ -103,6 +108,7 @@ def test_matches_simulation(variant, wait, slow_rank):
         # The fast rank contributed more micro-batches than the slow one.
         assert r[0]["micro_batches"] > r[1]["micro_batches"], (r[0]["counts"], r[1]["counts"])
     assert torch.equal(r[0]["master"], r[1]["master"]) and torch.equal(r[0]["live"], r[1]["live"])
+    assert r[0]["flushed"] and r[1]["flushed"]
     master, live = simulate(blocks, variant, acco_config(variant, wait))
     torch.testing.assert_close(r[0]["master"], master, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r[0]["live"], live, rtol=1e-5, atol=1e-5)
