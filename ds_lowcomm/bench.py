@@ -139,6 +139,8 @@ def run_one(args, mode: str, link: Link, out: Path, label: str) -> dict:
             procs.append(subprocess.Popen(link.prefix() + cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, cwd=ROOT))
         outs = [_follow(p, f"{label} rank {r}", quiet=r > 0) for r, p in enumerate(procs)]
+        for r, text in enumerate(outs):
+            (logs / f"{label}.rank{r}.log").write_text(text)
         parts = [_result(o, label) for o in outs]
         result = dict(parts[0])
         result.update(world_size=args.world_size, mode="ideal",
@@ -149,14 +151,18 @@ def run_one(args, mode: str, link: Link, out: Path, label: str) -> dict:
                       val_loss=statistics.mean(p["val_loss"] for p in parts),
                       bytes_sent_per_rank_per_step=0.0, bytes_received_per_rank_per_step=0.0,
                       comm_wait_s_per_step=0.0, link_bytes_per_rank_per_step=None)
-        result["records"] = _records(logs / f"{label}.rank0.jsonl")
+        # Rank 0's curve, its tokens scaled to all W trainings (they run at the same pace).
+        result["records"] = [dict(r, tokens=r["tokens"] * args.world_size) if "tokens" in r else r
+                             for r in _records(logs / f"{label}.rank0.jsonl")]
         return result
     log_json = logs / f"{label}.jsonl"
     log_json.unlink(missing_ok=True)
     cmd = train_command(args, config, args.world_size, log_json, args.slow_rank or "", link)
     proc = subprocess.Popen(link.prefix() + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=ROOT)
-    result = _result(_follow(proc, label), label)
+    text = _follow(proc, label)
+    (logs / f"{label}.log").write_text(text)
+    result = _result(text, label)
     result["records"] = _records(log_json)
     return result
 
