@@ -65,7 +65,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.worker = CommWorker(self.stats, self.flat.device, asynchronous=mode_cls.asynchronous)
         self.micro_batches = 0
         self.steps = 0
-        #: called after each optimizer step a ``drives_steps`` mode completes (the engine's hook)
+        #: called after each optimizer step's update reached the model (the engine's hook)
         self.on_step_completed: Optional[Callable[[], None]] = None
         self.mode = mode_cls(self, config.mode_options)
         # Read by DeepSpeed's engine after step() (engine.get_global_grad_norm, HF logging) and by
