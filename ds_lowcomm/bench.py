@@ -31,7 +31,7 @@ from typing import List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 CONFIGS = {"ideal": "zero1.json", "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json",
-           "acco": "acco_zero1.json", "dpu": "dpu_zero1.json"}
+           "acco": "acco_zero1.json", "dpu": "dpu_zero1.json", "demo": "demo_zero1.json"}
 MODELS = {  # name: (n_layer, n_head, n_embd, block_size)
     "tiny": (1, 2, 32, 32),
     "small": (4, 4, 128, 128),

@@ -118,7 +118,8 @@ class Collectives:
                 f"(collective_timeout_s={self.timeout_s:g}): {err}. Another rank probably died or "
                 f"stalled; its log says why.") from err
         sent, received = wire_bytes(op, nbytes, self.world)
-        self.stats.record(op, sent, received, time.perf_counter() - t0)
+        # Keyed by group too: what crosses the slow replica links is reported on its own.
+        self.stats.record(f"{self.name}.{op}", sent, received, time.perf_counter() - t0)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Sum ``inp`` (W equal shards, flat) over the group; this rank's shard lands in ``out``.

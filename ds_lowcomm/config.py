@@ -197,5 +197,5 @@ def parse(ds: Mapping[str, Any]) -> LowCommConfig:
 
     cfg = LowCommConfig.from_dict(ds[SECTION])
     check_deepspeed_config(ds)
-    MODES[cfg.mode].check_deepspeed_config(ds, cfg.mode_options)
+    MODES[cfg.mode].check_config(ds, cfg)
     return cfg

@@ -38,8 +38,9 @@ class Mode(abc.ABC):
         self.options = options
 
     @classmethod
-    def check_deepspeed_config(cls, ds: dict, options) -> None:
-        """Reject DeepSpeed settings this mode cannot run (raise ``LowCommConfigError``)."""
+    def check_config(cls, ds: dict, cfg) -> None:
+        """Reject settings this mode cannot run: ``ds`` the DeepSpeed JSON, ``cfg`` the parsed
+        :class:`~ds_lowcomm.config.LowCommConfig` (raise ``LowCommConfigError``)."""
 
     def on_micro_batch_end(self, boundary: bool) -> None:
         """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
@@ -85,4 +86,4 @@ def register(cls: Type[Mode]) -> Type[Mode]:
     return cls
 
 
-from ds_lowcomm.modes import acco, zero1  # noqa: E402,F401  (registers)
+from ds_lowcomm.modes import acco, demo, zero1  # noqa: E402,F401  (registers)

@@ -63,9 +63,9 @@ class Acco(Mode):
     has_rank_state = True
 
     @classmethod
-    def check_deepspeed_config(cls, ds: dict, options: AccoOptions) -> None:
+    def check_config(cls, ds: dict, cfg) -> None:
         gas = ds.get("gradient_accumulation_steps", 1)
-        if options.variant == "acco" and isinstance(gas, int) and gas % 2:
+        if cfg.mode_options.variant == "acco" and isinstance(gas, int) and gas % 2:
             raise LowCommConfigError(
                 f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
                 f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
