@@ -31,7 +31,8 @@ from typing import List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 CONFIGS = {"ideal": "zero1.json", "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json",
-           "acco": "acco_zero1.json", "dpu": "dpu_zero1.json", "demo": "demo_zero1.json"}
+           "acco": "acco_zero1.json", "dpu": "dpu_zero1.json", "demo": "demo_zero1.json",
+           "desloc": "desloc_zero1.json"}
 MODELS = {  # name: (n_layer, n_head, n_embd, block_size)
     "tiny": (1, 2, 32, 32),
     "small": (4, 4, 128, 128),
@@ -97,6 +98,15 @@ def write_config(mode: str, args, out: Path) -> Path:
         cfg["lowcomm"]["comm_dtype"] = args.comm_dtype
     if args.acco_wait and "acco" in cfg.get("lowcomm", {}):
         cfg["lowcomm"]["acco"]["accumulate_while_waiting"] = False
+    for key, value in args.set:
+        section = cfg.get("lowcomm")
+        head, *rest = key.split(".")
+        if section is None or (rest and head != section["mode"]):
+            continue  # "demo.topk" only touches the demo config; "comm_dtype" every lowcomm one
+        node = section
+        for k in key.split(".")[:-1]:
+            node = node.setdefault(k, {})
+        node[key.split(".")[-1]] = value
     path = out / "configs" / f"{mode}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg, indent=2))
@@ -291,6 +301,16 @@ def plots(runs: List[dict], out: Path) -> List[str]:
     return made
 
 
+def _setting(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. demo.topk=8")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +332,8 @@ def parse_args(argv=None):
     ap.add_argument("--acco-wait", action="store_true",
                     help="acco/dpu wait for the round in flight at each switch instead of computing more "
                          "micro-batches: exactly the tokens per step of zero1, for loss comparisons")
+    ap.add_argument("--set", action="append", default=[], type=_setting, metavar="KEY=VALUE",
+                    help="override a \"lowcomm\" option, e.g. demo.topk=8 (JSON value; repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the table shows medians")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench_results")
@@ -331,7 +353,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     link = Link(args.bandwidth, args.latency)
     config = {k: getattr(args, k) for k in ("world_size", "bandwidth", "latency", "model", "steps", "micro_batch",
-                                           "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "acco_wait", "repeat", "seed")}
+                                           "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "acco_wait", "set", "repeat", "seed")}
     config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency,
                   command="python -m ds_lowcomm.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     total = len(args.mode_list) * args.repeat

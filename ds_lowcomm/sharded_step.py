@@ -11,7 +11,7 @@ Communication, over the shard group of W ranks, for P padded elements::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
@@ -38,15 +38,19 @@ class ShardedStepRound(Round):
             every micro-batch weighs the same whoever computed it.
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
+        after_step: called after a real update and before the all-gather (DES-LOC averages the
+            replicas' states there, so the all-gather spreads the average).
     """
 
     def __init__(self, opt: "LowCommOptimizer", adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
-                 local_count: Optional[int] = None, estimate: bool = False) -> None:
+                 local_count: Optional[int] = None, estimate: bool = False,
+                 after_step: Optional[Callable[[], None]] = None) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
         self.opt, self.adamw, self.grads, self.target = opt, adamw, grads, target
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
+        self.after_step = after_step
         self.grad_norm: float = float("nan")
         self.global_count: Optional[int] = None
 
@@ -81,6 +85,8 @@ class ShardedStepRound(Round):
             self.adamw.estimate(grad, self.hyper, out)
         else:
             self.adamw.step(grad, self.hyper)
+            if self.after_step is not None:
+                self.after_step()
             out.copy_(self.adamw.master)
         comm.all_gather(self.target, out)
 

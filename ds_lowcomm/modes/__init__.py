@@ -86,4 +86,4 @@ def register(cls: Type[Mode]) -> Type[Mode]:
     return cls
 
 
-from ds_lowcomm.modes import acco, demo, zero1  # noqa: E402,F401  (registers)
+from ds_lowcomm.modes import acco, demo, desloc, zero1  # noqa: E402,F401  (registers)

@@ -1,0 +1,124 @@
+"""desloc: DES-LOC — Desynced Low-Communication Adam (Iacob et al., arXiv 2505.22549).
+
+Each replica (a shard group: ZeRO-1 inside it as usual) runs AdamW on its own data; across replica
+groups, each rank averages its own shard with the ranks of the same index in the other replicas:
+the fp32 master every ``param_sync_every`` (Kx) steps, the first moment every
+``momentum_sync_every`` (Ku, default 3·Kx), the second moment every ``variance_sync_every`` (Kv,
+default 6·Kx). v is averaged (not √v) and the step count never is. The averages due in the same
+step travel in one all-reduce, after the local update and before the all-gather inside the shard
+group. Local Adam is the special case Kx = Ku = Kv; Kx = Ku = Kv = 1 is *not* DDP (averaging Adam
+updates is not Adam on the averaged gradient).
+
+Bytes per rank per step across replica groups, R replicas, S shard elements in fp32:
+2(R−1)/R · 4·S · (1/Kx + 1/Ku + 1/Kv) — with R = 2, one shard per period.
+Replicas differ between syncs, so each rank's state is saved in its own file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ds_lowcomm.checkpoint import CheckpointError, gather_full
+from ds_lowcomm.config import LowCommConfigError, option
+from ds_lowcomm.modes import Mode, register
+from ds_lowcomm.shard_adamw import ShardAdamW
+from ds_lowcomm.sharded_step import ShardedStepRound
+
+if TYPE_CHECKING:
+    from ds_lowcomm.optimizer import LowCommOptimizer
+
+NEVER = 0  # the internal value of "never"
+
+
+@dataclass(frozen=True)
+class DeslocOptions:
+    param_sync_every: int = option(16, "Kx: steps between averages of the fp32 master", minimum=1)
+    momentum_sync_every: Optional[int] = option(None, "Ku: steps between averages of the first moment; "
+                                                "null = 3·Kx, 0 = never (explicit opt-in)", minimum=0)
+    variance_sync_every: Optional[int] = option(None, "Kv: steps between averages of the second moment; "
+                                                "null = 6·Kx, 0 = never (explicit opt-in)", minimum=0)
+
+
+@register
+class Desloc(Mode):
+    """Local AdamW per replica, with independent averaging periods for θ, m and v."""
+
+    name = "desloc"
+    Options = DeslocOptions
+    has_rank_state = True
+
+    @classmethod
+    def check_config(cls, ds: dict, cfg) -> None:
+        if cfg.shard_group_size is None:
+            raise LowCommConfigError(
+                "lowcomm.shard_group_size: mode 'desloc' averages state between shard groups; set it to "
+                "the ranks per node (1 = every rank its own replica)")
+
+    def __init__(self, opt: "LowCommOptimizer", options: DeslocOptions) -> None:
+        super().__init__(opt, options)
+        kx = options.param_sync_every
+        ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
+        kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
+        self.periods = {"master": kx, "exp_avg": ku, "exp_avg_sq": kv}
+        self.adamw = ShardAdamW(opt.flat.layout, opt.flat.buffer)
+
+    def step(self) -> None:
+        opt = self.opt
+        rnd = ShardedStepRound(opt, self.adamw, opt.grads.buffer, opt.flat.buffer,
+                               scale=1.0 / opt.topology.shard.world, after_step=self._average_due)
+        rnd.pack()
+        opt.worker.wait(opt.worker.submit(rnd))
+        rnd.install()
+        opt.grads.zero_()
+        opt.step_completed()
+
+    def _average_due(self) -> None:
+        """After the local update, before the all-gather: average the states due this step."""
+        replica = self.opt.topology.replica
+        t = self.adamw.step_count
+        due = [k for k, every in self.periods.items() if every != NEVER and t % every == 0]
+        if replica is None or not due:
+            return
+        states = [getattr(self.adamw, k) for k in due]
+        buf = torch.cat(states)
+        replica.all_reduce(buf)
+        buf.mul_(1.0 / replica.world)
+        for state, avg in zip(states, buf.split([s.numel() for s in states])):
+            state.copy_(avg)
+
+    def metrics(self) -> dict:
+        return {"sync_periods": dict(self.periods)}
+
+    # -- state: replicas differ between syncs, so everything but the step count is per rank -----
+
+    def master_weights(self) -> torch.Tensor:
+        """This replica's full master (collective over the shard group)."""
+        return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
+
+    def state_dict(self) -> dict:
+        return {"master": self.master_weights(), "step": self.adamw.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adamw.load_full_state(state)  # replica 0's master; moments come from the rank file
+        self.opt.set_params(state["master"])
+
+    def rank_state_dict(self) -> dict:
+        topo, a = self.opt.topology, self.adamw
+        return {"world_size": topo.world_size, "shard_group_size": topo.shard_group_size,
+                "master": a.master.clone(), "exp_avg": a.exp_avg.clone(), "exp_avg_sq": a.exp_avg_sq.clone()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        topo = self.opt.topology
+        if (state["world_size"], state["shard_group_size"]) != (topo.world_size, topo.shard_group_size):
+            raise CheckpointError(
+                f"this desloc checkpoint holds each replica's own AdamW state for {state['world_size']} "
+                f"ranks in shard groups of {state['shard_group_size']}; this run has {topo.world_size} "
+                f"ranks in groups of {topo.shard_group_size}. Resume with the same layout, or load with "
+                f"load_optimizer_states=False to restart from replica 0's weights")
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self.adamw, k).copy_(state[k])
+        # The model file holds replica 0's parameters: give this replica its own (collective).
+        opt = self.opt
+        opt.checkpoint_comm.all_gather(opt.flat.buffer, self.adamw.master.to(opt.flat.dtype, copy=True))
