@@ -61,6 +61,23 @@ def check_same_model(saved: dict, names: list, shapes: list) -> None:
                                   f"model's {n[0]} {list(s)}: it was saved from a different model")
 
 
+def rank_layout(topology) -> dict:
+    """What per-rank state depends on: saved with it, checked by :func:`check_rank_layout`."""
+    return {"world_size": topology.world_size, "shard_group_size": topology.shard_group_size}
+
+
+def check_rank_layout(saved: dict, topology, holds: str) -> None:
+    """Raise :class:`CheckpointError` unless per-rank state was saved with this run's layout."""
+    now = rank_layout(topology)
+    then = {k: saved.get(k) for k in now}
+    if then != now:
+        raise CheckpointError(
+            f"this checkpoint holds {holds} for {then['world_size']} ranks in shard groups of "
+            f"{then['shard_group_size']}; this run has {now['world_size']} ranks in groups of "
+            f"{now['shard_group_size']}. Resume with the same layout, or load with "
+            f"load_optimizer_states=False to keep only the weights")
+
+
 def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
     """The tag to load: ``tag``, else the content of ``<load_dir>/latest``."""
     if tag is not None:

@@ -203,4 +203,4 @@ def test_resume_mid_step_is_bit_identical(tmp_path):
         assert torch.equal(r["m_resumed"], r["m_straight"])
         assert r["steps"][0] == r["steps"][1] > 0
     (err,) = run_ranks(_load_at_one_rank, 1, str(tmp_path))
-    assert err is not None and "resume it with 2 ranks" in err
+    assert err is not None and "mid-step for 2 ranks" in err

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Deque, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError, gather_full
+from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, gather_full, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.modes import Mode, register
 from ds_lowcomm.shard_adamw import ShardAdamW
@@ -191,16 +191,12 @@ class Acco(Mode):
 
     def rank_state_dict(self) -> dict:
         grads = self.opt.grads
-        return {"world_size": self.opt.topology.world_size, "accumulator": grads.buffer.clone(),
+        return {**rank_layout(self.opt.topology), "accumulator": grads.buffer.clone(),
                 "micro_batches": grads.micro_batches, "since_switch": self.since_switch,
                 "round_counts": list(self.round_counts), "block_sizes": list(self.block_sizes)}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        if state["world_size"] != self.opt.topology.world_size:
-            raise CheckpointError(
-                f"this acco checkpoint holds the gradients each of {state['world_size']} ranks had "
-                f"accumulated mid-step; resume it with {state['world_size']} ranks, or load with "
-                f"load_optimizer_states=False to keep only the weights")
+        check_rank_layout(state, self.opt.topology, "the gradients each rank had accumulated mid-step")
         grads = self.opt.grads
         grads.buffer.copy_(state["accumulator"])
         grads.micro_batches = state["micro_batches"]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError, gather_full, shard_of
+from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, shard_of
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register
@@ -135,16 +135,8 @@ class Demo(Mode):
         self.opt.set_params(state["master"])
 
     def rank_state_dict(self) -> dict:
-        topo = self.opt.topology
-        return {"world_size": topo.world_size, "shard_group_size": topo.shard_group_size,
-                "delta": self.delta.clone()}
+        return {**rank_layout(self.opt.topology), "delta": self.delta.clone()}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        topo = self.opt.topology
-        if (state["world_size"], state["shard_group_size"]) != (topo.world_size, topo.shard_group_size):
-            raise CheckpointError(
-                f"this demo checkpoint holds each rank's momentum for {state['world_size']} ranks in "
-                f"shard groups of {state['shard_group_size']}; this run has {topo.world_size} ranks in "
-                f"groups of {topo.shard_group_size}. Resume with the same layout, or load with "
-                f"load_optimizer_states=False to keep the weights and restart the momentum")
+        check_rank_layout(state, self.opt.topology, "each rank's momentum")
         self.delta.copy_(state["delta"])

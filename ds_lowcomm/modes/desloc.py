@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError, gather_full
+from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.modes import Mode, register
 from ds_lowcomm.shard_adamw import ShardAdamW
@@ -105,18 +105,12 @@ class Desloc(Mode):
         self.opt.set_params(state["master"])
 
     def rank_state_dict(self) -> dict:
-        topo, a = self.opt.topology, self.adamw
-        return {"world_size": topo.world_size, "shard_group_size": topo.shard_group_size,
-                "master": a.master.clone(), "exp_avg": a.exp_avg.clone(), "exp_avg_sq": a.exp_avg_sq.clone()}
+        a = self.adamw
+        return {**rank_layout(self.opt.topology), "master": a.master.clone(), "exp_avg": a.exp_avg.clone(),
+                "exp_avg_sq": a.exp_avg_sq.clone()}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        topo = self.opt.topology
-        if (state["world_size"], state["shard_group_size"]) != (topo.world_size, topo.shard_group_size):
-            raise CheckpointError(
-                f"this desloc checkpoint holds each replica's own AdamW state for {state['world_size']} "
-                f"ranks in shard groups of {state['shard_group_size']}; this run has {topo.world_size} "
-                f"ranks in groups of {topo.shard_group_size}. Resume with the same layout, or load with "
-                f"load_optimizer_states=False to restart from replica 0's weights")
+        check_rank_layout(state, self.opt.topology, "each replica's own AdamW state")
         for k in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self.adamw, k).copy_(state[k])
         # The model file holds replica 0's parameters: give this replica its own (collective).
