@@ -50,12 +50,13 @@ def test_link_bytes_match_accounting(tmp_path):
     acco counts the round it launches at the last switch, so its per-step accounting runs ~1/(2 steps)
     high; 10 steps keep that edge effect at 5%.
     """
-    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--modes", "deepspeed,zero1,acco",
+    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--modes", "deepspeed,zero1,acco,demo,desloc",
                            "--model", "small", "--steps", "10", "--eval-iters", "1", "--bandwidth", "10gbit",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--set", "desloc.param_sync_every=2", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["mode"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
-    for mode in ("zero1", "acco"):
+    for mode in ("zero1", "acco", "demo", "desloc"):
         ours, link = runs[mode]["bytes_sent_per_rank_per_step"], runs[mode]["link_bytes_per_step"]
         assert abs(link - ours) <= 0.10 * ours, (mode, ours, link)
     # Stock ZeRO-1 all-reduces the full gradient: 1.5x zero1's bytes on the wire.

@@ -67,6 +67,8 @@ BAD = [
     (_set(("lowcomm", "desloc"), {"momentum_sync_every": -3}), "lowcomm.desloc.momentum_sync_every", ">= 0"),
     (_set(("lowcomm", "desloc"), {"variance_sync_every": "never"}), "lowcomm.desloc.variance_sync_every",
      "integer or null"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"outer_momentum": 1.0}),
+     "lowcomm.desloc.outer_momentum", "< 1"),
     (_set(("fp16",), {"enabled": True}), "fp16.enabled", "bf16"),
     (_set(("zero_optimization", "stage"), 2), "zero_optimization.stage", "got 2"),
     (_set(("zero_optimization", "stage"), 3), "zero_optimization.stage", "got 3"),

@@ -1,4 +1,5 @@
 """DES-LOC: Local Adam as its special case, plain AdamW with one replica, bytes, exact resume."""
+import pytest
 import torch
 
 import workers
@@ -16,8 +17,9 @@ def _train(rank, world, cfg, steps):
                 shard=engine.optimizer.flat.layout.shard_size)
 
 
-def local_adam(world, steps, k, cfg):
-    """Each worker AdamW on its own data; every k steps θ, m and v are averaged (after the update)."""
+def local_adam(world, steps, k, cfg, outer_lr=1.0, outer_momentum=0.0):
+    """Each worker AdamW on its own data; every k steps θ, m and v are averaged (after the update),
+    the θ average optionally through an outer Nesterov SGD (DiLoCo)."""
     torch.set_num_threads(1)
     hp, gas, clip = cfg["optimizer"]["params"], cfg["gradient_accumulation_steps"], cfg["gradient_clipping"]
     model = workers.tiny_gpt2(0)
@@ -26,6 +28,8 @@ def local_adam(world, steps, k, cfg):
     masters = [torch.nn.Parameter(theta0.clone()) for _ in range(world)]
     opts = [torch.optim.AdamW([m], lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                               weight_decay=hp["weight_decay"]) for m in masters]
+    anchor = torch.nn.Parameter(theta0.clone())
+    outer = torch.optim.SGD([anchor], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
     for step in range(steps):
         for i in range(world):
             torch.nn.utils.vector_to_parameters(masters[i].detach().clone(), params)
@@ -44,17 +48,22 @@ def local_adam(world, steps, k, cfg):
                     for o, m in zip(opts, masters):
                         o.state[m][key].copy_(mean)
                 mean = sum(m.detach() for m in masters) / world
+                if outer_lr != 1.0 or outer_momentum:
+                    anchor.grad = anchor.detach() - mean
+                    outer.step()
+                    mean = anchor.detach().clone()
                 for m in masters:
                     m.copy_(mean)
     return masters[0].detach()
 
 
-def test_equal_periods_is_local_adam():
+@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
+def test_equal_periods_is_local_adam(outer):
     k, steps = 3, 9
-    cfg = desloc_config(1, param_sync_every=k, momentum_sync_every=k, variance_sync_every=k)
+    cfg = desloc_config(1, param_sync_every=k, momentum_sync_every=k, variance_sync_every=k, **outer)
     r0, r1 = run_ranks(_train, 2, cfg, steps)
     assert torch.equal(r0["master"], r1["master"])  # synced at step 9
-    ref = local_adam(2, steps, k, cfg)
+    ref = local_adam(2, steps, k, cfg, **outer)
     n = ref.numel()
     torch.testing.assert_close(r0["master"][:n], ref, rtol=1e-5, atol=1e-5)
 

@@ -4,7 +4,9 @@ Each replica (a shard group: ZeRO-1 inside it as usual) runs AdamW on its own da
 groups, each rank averages its own shard with the ranks of the same index in the other replicas:
 the fp32 master every ``param_sync_every`` (Kx) steps, the first moment every
 ``momentum_sync_every`` (Ku, default 3·Kx), the second moment every ``variance_sync_every`` (Kv,
-default 6·Kx). v is averaged (not √v) and the step count never is. The averages due in the same
+default 6·Kx). v is averaged (not √v) and the step count never is. Optionally the parameter
+average feeds an outer Nesterov optimizer (DiLoCo-style: pseudo-gradient = parameters at the last
+sync − average; ``outer_lr``, ``outer_momentum``). The averages due in the same
 step travel in one all-reduce, after the local update and before the all-gather inside the shard
 group. Local Adam is the special case Kx = Ku = Kv; Kx = Ku = Kv = 1 is *not* DDP (averaging Adam
 updates is not Adam on the averaged gradient).
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout
+from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, gather_full, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.modes import Mode, register
 from ds_lowcomm.shard_adamw import ShardAdamW
@@ -39,6 +41,10 @@ class DeslocOptions:
                                                 "null = 3·Kx, 0 = never (explicit opt-in)", minimum=0)
     variance_sync_every: Optional[int] = option(None, "Kv: steps between averages of the second moment; "
                                                 "null = 6·Kx, 0 = never (explicit opt-in)", minimum=0)
+    outer_lr: float = option(1.0, "outer optimizer learning rate on the parameter average "
+                             "(DiLoCo-style; 1 with outer_momentum 0 = plain averaging)", minimum=0,
+                             exclusive_minimum=True)
+    outer_momentum: float = option(0.0, "outer Nesterov momentum; 0 = off (plain averaging)", minimum=0)
 
 
 @register
@@ -51,6 +57,9 @@ class Desloc(Mode):
 
     @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
+        if cfg.mode_options.outer_momentum >= 1:
+            raise LowCommConfigError(f"lowcomm.desloc.outer_momentum: got {cfg.mode_options.outer_momentum}; "
+                                     "must be < 1")
         if cfg.shard_group_size is None:
             raise LowCommConfigError(
                 "lowcomm.shard_group_size: mode 'desloc' averages state between shard groups; set it to "
@@ -63,6 +72,12 @@ class Desloc(Mode):
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
         self.periods = {"master": kx, "exp_avg": ku, "exp_avg_sq": kv}
         self.adamw = ShardAdamW(opt.flat.layout, opt.flat.buffer)
+        # DiLoCo-style outer Nesterov: the anchor is the parameters at the last sync, the
+        # pseudo-gradient is anchor − average. Off (plain averaging) unless configured.
+        self.outer = options.outer_lr != 1.0 or options.outer_momentum != 0.0
+        if self.outer:
+            self.anchor = self.adamw.master.clone()
+            self.outer_buf = torch.zeros_like(self.anchor)
 
     def step(self) -> None:
         opt = self.opt
@@ -87,6 +102,12 @@ class Desloc(Mode):
         buf.mul_(1.0 / replica.world)
         for state, avg in zip(states, buf.split([s.numel() for s in states])):
             state.copy_(avg)
+        if self.outer and "master" in due:
+            o = self.options
+            delta = self.anchor - self.adamw.master  # identical on every replica: from averages
+            self.outer_buf.mul_(o.outer_momentum).add_(delta)
+            self.anchor.sub_(delta.add_(self.outer_buf, alpha=o.outer_momentum), alpha=o.outer_lr)
+            self.adamw.master.copy_(self.anchor)
 
     def metrics(self) -> dict:
         return {"sync_periods": dict(self.periods)}
@@ -102,17 +123,29 @@ class Desloc(Mode):
 
     def load_state_dict(self, state: dict) -> None:
         self.adamw.load_full_state(state)  # replica 0's master; moments come from the rank file
+        if self.outer:  # weights only: the outer optimizer restarts from them
+            self.anchor = self.adamw.master.clone()
+            self.outer_buf = torch.zeros_like(self.anchor)
         self.opt.set_params(state["master"])
 
     def rank_state_dict(self) -> dict:
         a = self.adamw
-        return {**rank_layout(self.opt.topology), "master": a.master.clone(), "exp_avg": a.exp_avg.clone(),
-                "exp_avg_sq": a.exp_avg_sq.clone()}
+        state = {**rank_layout(self.opt.topology), "master": a.master.clone(), "exp_avg": a.exp_avg.clone(),
+                 "exp_avg_sq": a.exp_avg_sq.clone()}
+        if self.outer:
+            state.update(anchor=self.anchor.clone(), outer_buf=self.outer_buf.clone())
+        return state
 
     def load_rank_state_dict(self, state: dict) -> None:
         check_rank_layout(state, self.opt.topology, "each replica's own AdamW state")
         for k in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self.adamw, k).copy_(state[k])
+        if self.outer:
+            if "anchor" not in state:
+                raise CheckpointError("this desloc checkpoint has no outer-optimizer state (saved with "
+                                      "outer_lr 1 and outer_momentum 0); resume with those settings")
+            self.anchor.copy_(state["anchor"])
+            self.outer_buf.copy_(state["outer_buf"])
         # The model file holds replica 0's parameters: give this replica its own (collective).
         opt = self.opt
         opt.checkpoint_comm.all_gather(opt.flat.buffer, self.adamw.master.to(opt.flat.dtype, copy=True))
