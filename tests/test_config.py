@@ -4,6 +4,7 @@ import copy
 import pytest
 
 from ds_lowcomm.config import LowCommConfig, LowCommConfigError, parse
+import workers
 from workers import config
 
 GOOD = config("zero1")
@@ -118,3 +119,23 @@ def test_initialize_rejects_before_touching_distributed():
     with pytest.raises(LowCommConfigError, match=r"^optimizer: missing"):
         deepspeed.initialize(model=tiny_gpt2(), config=variant(_del("optimizer")))
     assert not torch.distributed.is_initialized()
+
+
+def _init_error(rank, world, lowcomm):
+    try:
+        workers.build_engine(config(**lowcomm))
+    except LowCommConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("lowcomm,message", [
+    ({"mode": "zero1", "shard_group_size": 3}, "lowcomm.shard_group_size: got 3, which does not divide the world size 2"),
+    ({"mode": "zero1", "shard_group_size": 1}, "lowcomm.shard_group_size: got 1; mode 'zero1' shards over all 2 ranks"),
+], ids=["not-a-divisor", "zero1-replicas"])
+def test_world_size_errors_on_every_rank(lowcomm, message):
+    """Checks that need the world size fail on every rank, before training, instead of hanging."""
+    from dist import run_ranks
+
+    for err in run_ranks(_init_error, 2, lowcomm, timeout=120):
+        assert err is not None and err.startswith(message), err

@@ -76,6 +76,18 @@ class Mode(abc.ABC):
         """Restore from :meth:`rank_state_dict` of the same rank."""
 
 
+def require_one_shard_group(opt: "LowCommOptimizer", mode: str) -> None:
+    """For modes that shard over the whole world: reject a smaller ``shard_group_size`` (the shard
+    groups would otherwise train as independent replicas, silently)."""
+    from ds_lowcomm.config import LowCommConfigError
+
+    topo = opt.topology
+    if topo.replica is not None:
+        raise LowCommConfigError(
+            f"lowcomm.shard_group_size: got {topo.shard_group_size}; mode {mode!r} shards over all "
+            f"{topo.world_size} ranks, remove the key or set it to {topo.world_size}")
+
+
 MODES: Dict[str, Type[Mode]] = {}
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, gather_full, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
-from ds_lowcomm.modes import Mode, register
+from ds_lowcomm.modes import Mode, register, require_one_shard_group
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
 from ds_lowcomm.worker import Ticket
@@ -72,6 +72,7 @@ class Acco(Mode):
 
     def __init__(self, opt: "LowCommOptimizer", options: AccoOptions) -> None:
         super().__init__(opt, options)
+        require_one_shard_group(opt, self.name)
         gas = opt.gradient_accumulation_steps
         self.two_rounds = options.variant == "acco"
         self.per_round = gas // 2 if self.two_rounds else gas

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_lowcomm.checkpoint import gather_full
-from ds_lowcomm.modes import Mode, register
+from ds_lowcomm.modes import Mode, register, require_one_shard_group
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
 
@@ -39,6 +39,7 @@ class Zero1(Mode):
 
     def __init__(self, opt: "LowCommOptimizer", options: Zero1Options) -> None:
         super().__init__(opt, options)
+        require_one_shard_group(opt, self.name)
         self.adamw = ShardAdamW(opt.flat.layout, opt.flat.buffer)
 
     def step(self) -> None:
