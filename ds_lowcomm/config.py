@@ -29,10 +29,11 @@ class LowCommConfigError(ValueError):
 
 
 def option(default: Any, doc: str, *, choices: tuple = (), minimum: Optional[float] = None,
-           exclusive_minimum: bool = False) -> Any:
-    """A dataclass field that :func:`parse_options` validates: ``choices`` or a lower bound."""
+           exclusive_minimum: bool = False, below: Optional[float] = None) -> Any:
+    """A dataclass field that :func:`parse_options` validates: ``choices``, a lower bound, and/or
+    a strict upper bound ``below``."""
     return field(default=default, metadata={"doc": doc, "choices": choices, "minimum": minimum,
-                                            "exclusive_minimum": exclusive_minimum})
+                                            "exclusive_minimum": exclusive_minimum, "below": below})
 
 
 def _type_name(tp: Any) -> str:
@@ -62,6 +63,9 @@ def _check_value(key: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
     if lo is not None and (value <= lo if meta.get("exclusive_minimum") else value < lo):
         bound = f"> {lo}" if meta.get("exclusive_minimum") else f">= {lo}"
         raise LowCommConfigError(f"{key}: got {value!r}; must be {bound}")
+    hi = meta.get("below")
+    if hi is not None and value >= hi:
+        raise LowCommConfigError(f"{key}: got {value!r}; must be < {hi}")
     return float(value) if base is float else value
 
 

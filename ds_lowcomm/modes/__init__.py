@@ -88,6 +88,15 @@ def require_one_shard_group(opt: "LowCommOptimizer", mode: str) -> None:
             f"{topo.world_size} ranks, remove the key or set it to {topo.world_size}")
 
 
+def require_shard_group_size(cfg, mode: str, why: str) -> None:
+    """For modes whose replicas are the shard groups: ``shard_group_size`` must be given."""
+    from ds_lowcomm.config import LowCommConfigError
+
+    if cfg.shard_group_size is None:
+        raise LowCommConfigError(f"lowcomm.shard_group_size: mode {mode!r} {why}; set it to the ranks per "
+                                 f"node (1 = every rank its own replica)")
+
+
 MODES: Dict[str, Type[Mode]] = {}
 
 

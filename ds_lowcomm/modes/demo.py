@@ -29,7 +29,7 @@ import torch
 from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, shard_of
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
-from ds_lowcomm.modes import Mode, register
+from ds_lowcomm.modes import Mode, register, require_shard_group_size
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DemoOptions:
-    beta: float = option(0.999, "momentum decay (the reference's compression_decay); < 1", minimum=0)
+    beta: float = option(0.999, "momentum decay (the reference's compression_decay)", minimum=0, below=1)
     chunk: int = option(64, "DCT tile edge: tiles of chunk × chunk elements", minimum=2)
     topk: int = option(32, "coefficients kept per tile", minimum=1)
     values: str = option("bf16", "wire format of the kept coefficients: 'bf16', or 'sign' (1 bit "
@@ -56,14 +56,10 @@ class Demo(Mode):
     @classmethod
     def check_config(cls, ds: dict, cfg: "LowCommConfig") -> None:
         o = cfg.mode_options
-        if o.beta >= 1:
-            raise LowCommConfigError(f"lowcomm.demo.beta: got {o.beta}; must be < 1 (momentum decay)")
         if o.topk > o.chunk * o.chunk:
             raise LowCommConfigError(f"lowcomm.demo.topk: got {o.topk}; must be <= chunk² = {o.chunk ** 2}")
-        if cfg.shard_group_size is None:
-            raise LowCommConfigError(
-                "lowcomm.shard_group_size: mode 'demo' exchanges compressed momentum between shard "
-                "groups; set it to the ranks per node (1 = DeMo as in its paper, every rank a replica)")
+        require_shard_group_size(cfg, cls.name, "exchanges compressed momentum between shard groups "
+                                                "(1 = DeMo as in its paper)")
 
     def __init__(self, opt: "LowCommOptimizer", options: DemoOptions) -> None:
         super().__init__(opt, options)

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, gather_full, rank_layout
-from ds_lowcomm.config import LowCommConfigError, option
-from ds_lowcomm.modes import Mode, register
+from ds_lowcomm.config import option
+from ds_lowcomm.modes import Mode, register, require_shard_group_size
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
 
@@ -44,7 +44,8 @@ class DeslocOptions:
     outer_lr: float = option(1.0, "outer optimizer learning rate on the parameter average "
                              "(DiLoCo-style; 1 with outer_momentum 0 = plain averaging)", minimum=0,
                              exclusive_minimum=True)
-    outer_momentum: float = option(0.0, "outer Nesterov momentum; 0 = off (plain averaging)", minimum=0)
+    outer_momentum: float = option(0.0, "outer Nesterov momentum; 0 = off (plain averaging)", minimum=0,
+                                   below=1)
 
 
 @register
@@ -57,13 +58,7 @@ class Desloc(Mode):
 
     @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
-        if cfg.mode_options.outer_momentum >= 1:
-            raise LowCommConfigError(f"lowcomm.desloc.outer_momentum: got {cfg.mode_options.outer_momentum}; "
-                                     "must be < 1")
-        if cfg.shard_group_size is None:
-            raise LowCommConfigError(
-                "lowcomm.shard_group_size: mode 'desloc' averages state between shard groups; set it to "
-                "the ranks per node (1 = every rank its own replica)")
+        require_shard_group_size(cfg, cls.name, "averages state between shard groups")
 
     def __init__(self, opt: "LowCommOptimizer", options: DeslocOptions) -> None:
         super().__init__(opt, options)
