@@ -2,6 +2,8 @@
 #                                   make test    (the test suite)
 # Both create .venv and install into it first. On a CUDA machine, install your CUDA build of
 # torch into .venv before `make install` (pip would otherwise keep the one you have).
+# A regular (not editable) install: it carries the zero-code autoload hook, and is redone when
+# the sources change.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,11 +14,14 @@ CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
-	$(PYTHON) -m venv $(VENV)
+SOURCES := setup.py ds_lowcomm_autoload.py ds_lowcomm_autoload.pth $(shell find ds_lowcomm -name '*.py')
+
+$(VENV)/.installed: $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first: an unpinned torch requested by another package pulls GBs of CUDA wheels.
 	$(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install ".[test]"
+	rm -rf build
 	touch $@
 
 train: install
@@ -26,4 +31,4 @@ test: install
 	$(CPU_ENV) $(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -63,14 +63,19 @@ class Link:
             return
         self.ns = f"lowcomm-bench-{os.getpid()}"
         self._ip("netns", "add", self.ns)
-        self._ip("-n", self.ns, "link", "set", "lo", "up")
-        parent = ["root"]
-        if latency:
-            self._tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay", latency)
-            parent = ["parent", "1:"]
-        if bandwidth:
-            self._tc("qdisc", "add", "dev", "lo", *parent, "handle", "2:", "tbf", "rate", bandwidth,
-                     "burst", "256kb", "latency", "100ms")
+        try:
+            self._ip("-n", self.ns, "link", "set", "lo", "up")
+            parent = ["root"]
+            if latency:
+                self._tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay", latency)
+                parent = ["parent", "1:"]
+            if bandwidth:
+                self._tc("qdisc", "add", "dev", "lo", *parent, "handle", "2:", "tbf", "rate", bandwidth,
+                         "burst", "256kb", "latency", "100ms")
+        except subprocess.CalledProcessError as err:
+            self.close()
+            raise SystemExit(f"bench: could not set up the limited link ({' '.join(err.cmd)} failed; "
+                             f"--latency needs the kernel's netem qdisc, --bandwidth its tbf qdisc)")
 
     def _ip(self, *args):
         subprocess.run(["ip", *args], check=True)

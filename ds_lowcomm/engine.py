@@ -120,7 +120,10 @@ class LowCommEngine(DeepSpeedEngine):
         if self.monitor.enabled and self.global_rank == 0:
             s = self.optimizer.comm_stats()
             step = self.global_samples
-            self.monitor.write_events([(f"Train/lowcomm/{k}", float(s[k]), step) for k in MONITORED if k in s])
+            events = [(f"Train/lowcomm/{k}", float(s[k]), step) for k in MONITORED if k in s]
+            events += [(f"Train/lowcomm/micro_batches_per_round/rank{r}", float(c), step)
+                       for r, c in enumerate(s.get("micro_batches_per_round_by_rank", ()))]
+            self.monitor.write_events(events)
 
     def backward(self, loss, *args, **kwargs):
         out = super().backward(loss, *args, **kwargs)

@@ -16,7 +16,9 @@ import torch
 
 from ds_lowcomm.config import SECTION, LowCommConfigError, parse
 
-_original_initialize = deepspeed.initialize
+# Under DS_LOWCOMM_AUTOLOAD=0 the autoload hook has wrapped DeepSpeed's function in a guard that
+# refuses "lowcomm" configs; an explicit `import ds_lowcomm` calls through to the real one.
+_original_initialize = getattr(deepspeed.initialize, "ds_lowcomm_guarded", deepspeed.initialize)
 
 
 def _resolve_config(bound: inspect.BoundArguments):
@@ -84,7 +86,9 @@ def initialize(*args, **kwargs):
         a["args"].deepspeed_config = None
 
     from ds_lowcomm.engine import LowCommEngine
+    from ds_lowcomm.hf import install_trainer_hooks
 
+    install_trainer_hooks()  # a no-op unless the Hugging Face Trainer is loaded
     saved, deepspeed.DeepSpeedEngine = deepspeed.DeepSpeedEngine, LowCommEngine
     try:
         return _original_initialize(*bound.args, **bound.kwargs)

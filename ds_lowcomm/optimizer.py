@@ -62,7 +62,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
         self.grads = GradAccumulator(self.flat)
         mode_cls = MODES[config.mode]
-        self.worker = CommWorker(self.stats, self.flat.device, asynchronous=mode_cls.asynchronous)
+        self.worker = CommWorker(self.stats, self.flat.device, 
+                                 asynchronous=mode_cls.is_asynchronous(config.mode_options))
         self.micro_batches = 0
         self.steps = 0
         #: called after each optimizer step's update reached the model (the engine's hook)

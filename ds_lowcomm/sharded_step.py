@@ -3,7 +3,7 @@
 The round of every mode that keeps ZeRO-1's sharded AdamW (``zero1``, both rounds of ``acco``).
 Communication, over the shard group of W ranks, for P padded elements::
 
-    all-reduce      micro-batch count (only when counts can differ)   2(W-1)/W · 8 bytes
+    all-reduce      micro-batch count per rank (only when they can differ)  2(W-1)/W · 8W bytes
     reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
     all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
@@ -52,7 +52,8 @@ class ShardedStepRound(Round):
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
         self.after_step = after_step
         self.grad_norm: float = float("nan")
-        self.global_count: Optional[int] = None
+        #: with ``local_count``: the micro-batches each rank summed into this round
+        self.rank_counts: Optional[List[int]] = None
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
@@ -62,10 +63,12 @@ class ShardedStepRound(Round):
         comm, layout = self.opt.topology.shard, self.opt.flat.layout
         scale = self.scale
         if self.local_count is not None:
-            count = torch.tensor([float(self.local_count)], dtype=torch.float64, device=self.grads.device)
-            comm.all_reduce(count)
-            self.global_count = int(count.item())
-            scale = self.opt.gradient_accumulation_steps / self.global_count
+            # A vector, not the sum: every rank learns every rank's count (metrics) at no extra call.
+            counts = torch.zeros(comm.world, dtype=torch.float64, device=self.grads.device)
+            counts[comm.rank] = self.local_count
+            comm.all_reduce(counts)
+            self.rank_counts = [int(c) for c in counts.tolist()]
+            scale = self.opt.gradient_accumulation_steps / sum(self.rank_counts)
         send = self.grads if self.grads.dtype == self.opt.comm_dtype else self.grads.to(self.opt.comm_dtype)
         recv = send.new_empty(layout.shard_size)
         comm.reduce_scatter(recv, send)

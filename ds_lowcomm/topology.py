@@ -28,6 +28,9 @@ class Topology:
     shard_group_size: int
     shard: Collectives      # this rank's shard group (the whole world when shard_group_size == W)
     replica: Optional[Collectives]  # this rank's replica group, None when there is one shard group
+    #: the whole world, used only from the training thread (agreements such as acco's round count,
+    #: which must not queue behind the comm worker's collectives on the shard group)
+    control: Collectives
 
     @property
     def num_replicas(self) -> int:
@@ -57,4 +60,5 @@ class Topology:
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     replica = Collectives(pg, stats, timeout_s, "replica")
-        return Topology(world, rank, g, shard, replica)
+        control = Collectives(dist.new_group(list(range(world)), timeout=timeout), stats, timeout_s, "control")
+        return Topology(world, rank, g, shard, replica, control)

@@ -1,6 +1,7 @@
 """DeMo: a reference implementation of its equations, replicas that never drift, bytes, exact resume."""
 import math
 
+import pytest
 import torch
 
 import workers
@@ -29,8 +30,9 @@ def _train_demo(rank, world, g, steps, demo, digest_every):
                 payload=opt.mode.codec.payload_bytes, padded=opt.flat.layout.padded)
 
 
-def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, values="bf16"):
-    """DeMo from its equations, every rank its own replica, in one process."""
+def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, values="bf16", delayed=False):
+    """DeMo from its equations, every rank its own replica, in one process. ``delayed``: the
+    gradients of step s are taken on the parameters after s−2 updates (one-step-delayed apply)."""
     torch.set_num_threads(1)
     hp = cfg["optimizer"]["params"]
     lr, wd, clip = hp["lr"], hp["weight_decay"], cfg["gradient_clipping"]
@@ -41,10 +43,12 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
     theta[:n] = torch.nn.utils.parameters_to_vector(params).detach()
     codec = DctTopK(padded, chunk, topk, values)
     delta = [torch.zeros(padded) for _ in range(world)]
+    history = [theta]
     for step in range(steps):
         payloads = []
+        at = history[max(step - 1, 0)] if delayed else theta
         for i in range(world):
-            torch.nn.utils.vector_to_parameters(theta[:n].clone(), params)
+            torch.nn.utils.vector_to_parameters(at[:n].clone(), params)
             model.zero_grad()
             for micro in range(GAS):
                 x = workers.batch(step, micro, i)
@@ -61,6 +65,7 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
             payloads.append(codec.pack(idx, vals))
         q = codec.decode_mean(payloads)
         theta = theta * (1 - lr * wd) - lr * torch.sign(q)
+        history.append(theta)
     return theta[:n]
 
 
@@ -70,6 +75,20 @@ def test_matches_reference_demo():
     assert r0["digests"] == r1["digests"]
     ref = reference_demo(2, steps, demo_config(1), r0["padded"])
     torch.testing.assert_close(r0["master"], ref, rtol=1e-5, atol=1e-5)
+    assert r0["losses"][-1] < r0["losses"][0]
+
+
+def test_overlap_matches_one_step_delayed_reference():
+    steps = 10
+    r0, r1 = run_ranks(_train_demo, 2, 1, steps, {"overlap": True}, 1)
+    assert r0["digests"] == r1["digests"]
+    ref = reference_demo(2, steps, demo_config(1), r0["padded"], delayed=True)
+    torch.testing.assert_close(r0["master"], ref, rtol=1e-5, atol=1e-5)
+    undelayed = reference_demo(2, steps, demo_config(1), r0["padded"])
+    assert not torch.allclose(r0["master"], undelayed, rtol=1e-5, atol=1e-5)  # the delay is real
+    ops = r0["stats"]["ops"]
+    assert ops["replica.all_gather"]["calls"] == steps
+    assert r0["stats"]["steps"] == steps - 1  # the last update is still in flight
     assert r0["losses"][-1] < r0["losses"][0]
 
 
@@ -87,13 +106,13 @@ def test_four_ranks_two_shard_groups_never_drift():
     assert results[0]["losses"][-1] < results[0]["losses"][0] - 0.5
 
 
-def _resume(rank, world, save_dir):
-    straight = workers.build_engine(demo_config(1))
+def _resume(rank, world, save_dir, demo):
+    straight = workers.build_engine(demo_config(1, **demo))
     l_straight = workers.train(straight, 8, rank=rank)
-    first = workers.build_engine(demo_config(1))
+    first = workers.build_engine(demo_config(1, **demo))
     l_resumed = workers.train(first, 4, rank=rank)
     first.save_checkpoint(save_dir)
-    second = workers.build_engine(demo_config(1), seed=5)
+    second = workers.build_engine(demo_config(1, **demo), seed=5)
     second.load_checkpoint(save_dir)
     l_resumed += workers.train(second, 4, start=4, rank=rank)
     return l_straight, l_resumed, workers.params_digest(straight), workers.params_digest(second)
@@ -109,8 +128,11 @@ def _load_at_one_rank(rank, world, save_dir):
         return str(err)
 
 
-def test_resume_is_exact_including_momentum(tmp_path):
-    for l_straight, l_resumed, d_straight, d_resumed in run_ranks(_resume, 2, str(tmp_path)):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resume_is_exact_including_momentum(tmp_path, overlap):
+    # With overlap the checkpoint is taken with step 4's update in flight: it must be carried over.
+    for l_straight, l_resumed, d_straight, d_resumed in run_ranks(_resume, 2, str(tmp_path),
+                                                                   {"overlap": overlap}):
         assert l_resumed == l_straight and d_resumed == d_straight
     (err,) = run_ranks(_load_at_one_rank, 1, str(tmp_path))
     assert err and "momentum for 2 ranks" in err

@@ -25,8 +25,6 @@ class Mode(abc.ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type]
-    #: rounds run on a background CommWorker thread / side stream instead of inline
-    asynchronous: ClassVar[bool] = False
     #: the mode decides when an optimizer step is complete (it calls ``opt.step_completed()``);
     #: DeepSpeed's engine then never sees an accumulation boundary of its own
     drives_steps: ClassVar[bool] = False
@@ -36,6 +34,11 @@ class Mode(abc.ABC):
     def __init__(self, opt: "LowCommOptimizer", options) -> None:
         self.opt = opt
         self.options = options
+
+    @classmethod
+    def is_asynchronous(cls, options) -> bool:
+        """Whether rounds run on a background CommWorker thread / side stream instead of inline."""
+        return False
 
     @classmethod
     def check_config(cls, ds: dict, cfg) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Optional
+from typing import TYPE_CHECKING, Deque, List, Optional
 
 import torch
 
@@ -58,9 +58,12 @@ class Acco(Mode):
 
     name = "acco"
     Options = AccoOptions
-    asynchronous = True
     drives_steps = True
     has_rank_state = True
+
+    @classmethod
+    def is_asynchronous(cls, options: AccoOptions) -> bool:
+        return True
 
     @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
@@ -83,10 +86,12 @@ class Acco(Mode):
         self.ticket: Optional[Ticket] = None  # the round in flight, or finished and not installed
         self.next_estimate = self.two_rounds
         self.since_switch = 0
+        self.launched = 0  # rounds launched since the start or the last load (equal on all ranks then)
         # This rank's recent history: micro-batches computed between switches, and summed into
         # each launched round (bounded: metrics and tests read the tail).
         self.block_sizes: Deque[int] = deque(maxlen=4096)
         self.round_counts: Deque[int] = deque(maxlen=4096)
+        self.rank_round_counts: Deque[List[int]] = deque(maxlen=16)  # every rank's, per round
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -94,12 +99,32 @@ class Acco(Mode):
         self.since_switch += 1
         if self.since_switch < self.per_round:
             return
-        finished_estimate = None
-        if self.ticket is not None:
-            if self.options.accumulate_while_waiting and not self.opt.worker.poll(self.ticket):
-                return  # still in flight: compute another micro-batch instead of waiting
-            finished_estimate = self._install()
+        if (self.ticket is not None and self.options.accumulate_while_waiting
+                and not self.opt.worker.poll(self.ticket)):
+            return  # still in flight: compute another micro-batch instead of waiting
+        self._switch()
+
+    def _switch(self) -> None:
+        """Install the finished round (if any) and launch the next one."""
+        finished_estimate = self._install() if self.ticket is not None else None
         self._launch(zero_after=not self.two_rounds or bool(finished_estimate))
+
+    def _align(self) -> None:
+        """Make every rank have launched the same rounds (collective, training thread).
+
+        With ``accumulate_while_waiting`` a rank may have launched one round more than another
+        when a loop it does not control stops or checkpoints (the Hugging Face Trainer runs the
+        same micro-batches on every rank and saves at its own step count): the ranks behind
+        launch it now, with what they have accumulated, instead of leaving its peers waiting.
+        """
+        counts = torch.zeros(self.opt.topology.world_size, dtype=torch.float64, device=self.opt.flat.device)
+        counts[self.opt.topology.rank] = self.launched
+        self.opt.topology.control.all_reduce(counts)
+        behind = int(counts.max().item()) - self.launched
+        if behind > 1:
+            raise RuntimeError(f"acco: rank {self.opt.topology.rank} is {behind} rounds behind its peers")
+        if behind == 1:
+            self._switch()
 
     def _install(self) -> bool:
         """Make the finished round's result the model's parameters; returns whether it was an estimate."""
@@ -108,6 +133,8 @@ class Acco(Mode):
         self.ticket = None
         self.opt.flat.buffer.copy_(self.gathered)
         rnd.install()
+        if rnd.rank_counts is not None:
+            self.rank_round_counts.append(rnd.rank_counts)
         if not rnd.estimate:
             # Before the next round is packed, so it reads the scheduler's next learning rate.
             self.opt.step_completed()
@@ -127,12 +154,15 @@ class Acco(Mode):
         self.block_sizes.append(self.since_switch)
         self.next_estimate = self.two_rounds and not self.next_estimate
         self.since_switch = 0
+        self.launched += 1
 
     def step(self) -> None:
         """Unused: ACCO's steps are driven from the backward passes (``drives_steps``)."""
 
     def _settle(self) -> None:
-        """Wait for the round in flight (without installing it): the optimizer state is then stable."""
+        """Align the ranks' rounds, then wait for the round in flight (without installing it): the
+        optimizer state is then stable. Collective."""
+        self._align()
         if self.ticket is not None:
             self.opt.worker.wait(self.ticket)
 
@@ -152,7 +182,9 @@ class Acco(Mode):
 
     def metrics(self) -> dict:
         recent = list(self.round_counts)[-16:]
-        return {"micro_batches_per_round": sum(recent) / len(recent) if recent else 0.0}
+        by_rank = [sum(c) / len(c) for c in zip(*self.rank_round_counts)]
+        return {"micro_batches_per_round": sum(recent) / len(recent) if recent else 0.0,
+                "micro_batches_per_round_by_rank": by_rank}
 
     def state_dict(self) -> dict:
         self._settle()
@@ -170,6 +202,7 @@ class Acco(Mode):
         self.adamw.load_full_state(state)
         saved = state.get("acco")
         self.ticket = None
+        self.launched = 0
         if saved is None:  # weights only: the schedule starts afresh from the master
             self.next_estimate = self.two_rounds
             self.since_switch = 0

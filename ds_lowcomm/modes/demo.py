@@ -17,12 +17,18 @@ Tiles cover the flat shard (as torchtitan-lowcomms does), whatever the parameter
 parameter shape works and the shard split is free. Bytes across replica groups per rank and step:
 (R−1)·payload sent and received, payload = ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's
 bytes with chunk 64, top 32, bf16 values). δ differs per rank: it is saved in per-rank files.
+
+``overlap: true``: the whole step above runs as a round on the CommWorker (thread / side stream)
+while the next step's micro-batches compute, and its result becomes the model's parameters at the
+next boundary: the update is applied one step late (the gradients of step t+1 are taken on
+parameters without step t's update), as torchtitan-lowcomms and Psyche do. Costs one more copy of
+the parameters (the gathered result) and of the gradients (the send buffer).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
@@ -30,6 +36,8 @@ from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, s
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
+from ds_lowcomm.round import Round
+from ds_lowcomm.worker import Ticket
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
@@ -43,6 +51,66 @@ class DemoOptions:
     topk: int = option(32, "coefficients kept per tile", minimum=1)
     values: str = option("bf16", "wire format of the kept coefficients: 'bf16', or 'sign' (1 bit "
                          "plus one bf16 scale per tile)", choices=VALUE_FORMATS)
+    overlap: bool = option(False, "run each step's communication while the next step computes; "
+                           "its update reaches the model one step late")
+
+
+class DemoRound(Round):
+    """One DeMo step on this rank's shard (the module docstring's equations).
+
+    Reads the padded flat gradient sums ``grads``; updates the mode's δ and master shard; writes
+    the new parameters, all-gathered over the shard group, into ``target``. Communication per
+    round: shard group of W ranks: reduce-scatter (W−1)/W·P·comm bytes, a 4-byte norm
+    all-reduce, all-gather (W−1)/W·P·param bytes; replica group of R: all-gather (R−1)·payload.
+    """
+
+    def __init__(self, mode: "Demo", grads: torch.Tensor, target: torch.Tensor) -> None:
+        self.mode, self.grads, self.target = mode, grads, target
+        self.grad_norm: float = float("nan")
+
+    def pack(self) -> None:
+        # Hyperparameters in force now (a scheduler may change them while the round runs).
+        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in self.mode.opt.param_groups]
+
+    def run(self) -> None:
+        mode, hyper = self.mode, self.hyper
+        opt, o = mode.opt, mode.options
+        shard, replica = opt.topology.shard, opt.topology.replica
+
+        send = self.grads if self.grads.dtype == opt.comm_dtype else self.grads.to(opt.comm_dtype)
+        grad = send.new_empty(opt.flat.layout.shard_size)
+        shard.reduce_scatter(grad, send)
+        grad = grad.float().mul_(1.0 / shard.world)
+        norm_sq = grad.double().square().sum().float().reshape(1)
+        shard.all_reduce(norm_sq)
+        self.grad_norm = math.sqrt(norm_sq.item())
+        if opt.gradient_clipping > 0:
+            factor = (self.grad_norm + 1e-6) / opt.gradient_clipping
+            if factor > 1:
+                grad.mul_(1.0 / factor)
+
+        for seg in mode.segments:
+            sl = slice(seg.start, seg.end)
+            mode.delta[sl].mul_(o.beta).add_(grad[sl], alpha=hyper[seg.group]["lr"])
+        idx, vals = mode.codec.encode(mode.delta)
+        mode.delta.sub_(mode.codec.dense(idx, vals))
+        payload = mode.codec.pack(idx, vals)
+        if replica is None:
+            payloads = [payload]
+        else:
+            gathered = payload.new_empty(replica.world * payload.numel())
+            replica.all_gather(gathered, payload)
+            payloads = list(gathered.chunk(replica.world))
+        update = mode.codec.decode_mean(payloads).sign_()
+
+        for seg in mode.segments:
+            sl, hp = slice(seg.start, seg.end), hyper[seg.group]
+            mode.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
+        shard.all_gather(self.target, mode.master.to(self.target.dtype, copy=True))
+        mode.step_count += 1
+
+    def install(self) -> None:
+        self.mode.opt._global_grad_norm = self.grad_norm
 
 
 @register
@@ -52,6 +120,10 @@ class Demo(Mode):
     name = "demo"
     Options = DemoOptions
     has_rank_state = True
+
+    @classmethod
+    def is_asynchronous(cls, options: DemoOptions) -> bool:
+        return options.overlap
 
     @classmethod
     def check_config(cls, ds: dict, cfg: "LowCommConfig") -> None:
@@ -69,50 +141,52 @@ class Demo(Mode):
         self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values)
         self.segments = layout.segments()
         self.step_count = 0
+        self.ticket: Optional[Ticket] = None  # overlap: the round in flight (or done, not installed)
+        if options.overlap:
+            self.send = torch.zeros(layout.padded, dtype=opt.comm_dtype, device=opt.flat.device)
+            self.gathered = torch.zeros_like(opt.flat.buffer)
 
     @torch.no_grad()
     def step(self) -> None:
-        opt, o = self.opt, self.options
-        shard, replica = opt.topology.shard, opt.topology.replica
-        hyper = [{k: g[k] for k in ("lr", "weight_decay")} for g in opt.param_groups]
-
-        send = opt.grads.buffer.to(opt.comm_dtype)
-        grad = send.new_empty(opt.flat.layout.shard_size)
-        shard.reduce_scatter(grad, send)
-        grad = grad.float().mul_(1.0 / shard.world)
-        norm_sq = grad.double().square().sum().float().reshape(1)
-        shard.all_reduce(norm_sq)
-        opt._global_grad_norm = math.sqrt(norm_sq.item())
-        if opt.gradient_clipping > 0:
-            factor = (opt._global_grad_norm + 1e-6) / opt.gradient_clipping
-            if factor > 1:
-                grad.mul_(1.0 / factor)
-
-        for seg in self.segments:
-            sl = slice(seg.start, seg.end)
-            self.delta[sl].mul_(o.beta).add_(grad[sl], alpha=hyper[seg.group]["lr"])
-        idx, vals = self.codec.encode(self.delta)
-        self.delta.sub_(self.codec.dense(idx, vals))
-        payload = self.codec.pack(idx, vals)
-        if replica is None:
-            payloads = [payload]
-        else:
-            gathered = payload.new_empty(replica.world * payload.numel())
-            replica.all_gather(gathered, payload)
-            payloads = list(gathered.chunk(replica.world))
-        update = self.codec.decode_mean(payloads).sign_()
-
-        for seg in self.segments:
-            sl, hp = slice(seg.start, seg.end), hyper[seg.group]
-            self.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
-        shard.all_gather(opt.flat.buffer, self.master.to(opt.flat.dtype, copy=True))
-        self.step_count += 1
+        opt = self.opt
+        if not self.options.overlap:
+            rnd = DemoRound(self, opt.grads.buffer, opt.flat.buffer)
+            rnd.pack()
+            opt.worker.wait(opt.worker.submit(rnd))
+            rnd.install()
+            opt.grads.zero_()
+            opt.step_completed()
+            return
+        self._install_pending()  # also frees ``send`` for this step's gradients
+        self.send.copy_(opt.grads.buffer)
         opt.grads.zero_()
-        opt.step_completed()
+        rnd = DemoRound(self, self.send, self.gathered)
+        rnd.pack()
+        self.ticket = opt.worker.submit(rnd)
+
+    def _install_pending(self) -> None:
+        """Overlap: wait for the round in flight and make its result the model's parameters."""
+        if self.ticket is None:
+            return
+        self.opt.worker.wait(self.ticket)
+        self.opt.flat.buffer.copy_(self.gathered)
+        self.ticket.round.install()
+        self.ticket = None
+        self.opt.step_completed()
+
+    def flush(self) -> None:
+        """Overlap: install the update in flight, so the model holds the latest parameters."""
+        self._install_pending()
+
+    def _settle(self) -> None:
+        """Wait for the round in flight (without installing it): δ and the master are then stable."""
+        if self.ticket is not None:
+            self.opt.worker.wait(self.ticket)
 
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
+        self._settle()
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.master)
 
     def metrics(self) -> dict:
@@ -121,16 +195,35 @@ class Demo(Mode):
                 "replica_bytes_sent_per_step": (r - 1) * self.codec.payload_bytes}
 
     def state_dict(self) -> dict:
-        return {"master": self.master_weights(), "step": self.step_count}
+        """The master includes the update in flight, if any; ``pending`` says it has not reached
+        the model yet (the model's own weights are saved by DeepSpeed)."""
+        master = self.master_weights()
+        pending = None if self.ticket is None else {"grad_norm": self.ticket.round.grad_norm}
+        return {"master": master, "step": self.step_count, "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
         self.master = shard_of(state["master"], self.opt.flat.layout, self.master)
         self.step_count = int(state.get("step", 0))
+        self.ticket = None
         if "step" not in state:  # weights only: momentum restarts
             self.delta.zero_()
-        self.opt.set_params(state["master"])
+        pending = state.get("pending")
+        if pending is None or not self.options.overlap:
+            self.opt.set_params(state["master"])
+            if pending is not None:  # saved with overlap, resumed without: install it now
+                self.opt._global_grad_norm = pending["grad_norm"]
+                self.opt.steps += 1
+            return
+        # Re-create the finished, not yet installed round: the next boundary installs it, so the
+        # model keeps the weights DeepSpeed restored until then.
+        self.opt.flat.unpadded(self.gathered).copy_(state["master"].to(self.gathered.dtype))
+        rnd = DemoRound(self, self.send, self.gathered)
+        rnd.grad_norm = pending["grad_norm"]
+        self.ticket = Ticket(rnd)
+        self.ticket.done.set()
 
     def rank_state_dict(self) -> dict:
+        self._settle()
         return {**rank_layout(self.opt.topology), "delta": self.delta.clone()}
 
     def load_rank_state_dict(self, state: dict) -> None:

@@ -1,0 +1,70 @@
+"""Hugging Face Trainer: ds_lowcomm's numbers in the Trainer's logs.
+
+The Trainer reaches ds_lowcomm through ``deepspeed.initialize`` (accelerate 1.15
+``_prepare_deepspeed`` looks it up at call time), so training needs nothing from this module. What
+the Trainer does not know is our metrics and our in-flight updates: when a
+:class:`~ds_lowcomm.engine.LowCommEngine` is built while ``transformers.trainer`` is loaded,
+:func:`install_trainer_hooks` wraps two methods the Trainer documents for overriding:
+
+- ``Trainer.log``: every training log entry also carries :func:`trainer_metrics` (in
+  ``state.log_history``, the console, TensorBoard, W&B, ... alike);
+- ``Trainer.save_model``: the user's final save calls ``optimizer.flush()`` first, so the saved
+  weights include the last update (collective: the Trainer calls it on every rank).
+
+Trainers whose model is not a LowCommEngine are left untouched.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+PREFIX = "lowcomm/"
+
+
+def trainer_metrics(engine) -> dict:
+    """This rank's communication numbers since the start, as flat ``lowcomm/...`` floats (no
+    communication: per-rank micro-batch counts travel inside acco's rounds)."""
+    s = engine.comm_stats()
+    out = {f"{PREFIX}bytes_sent_per_step": s["bytes_sent_per_step"],
+           f"{PREFIX}bytes_received_per_step": s["bytes_received_per_step"],
+           f"{PREFIX}exposed_comm_s_per_step": s["wait_seconds_per_step"],
+           f"{PREFIX}comm_s_per_step": s["round_seconds_per_step"]}
+    for r, count in enumerate(s.get("micro_batches_per_round_by_rank", ())):
+        out[f"{PREFIX}micro_batches_per_round/rank{r}"] = count
+    return out
+
+
+def _engine(trainer):
+    from ds_lowcomm.engine import LowCommEngine
+
+    engine = getattr(trainer, "model_wrapped", None)
+    return engine if isinstance(engine, LowCommEngine) else None
+
+
+def install_trainer_hooks() -> None:
+    """Wrap ``Trainer.log`` and ``Trainer.save_model`` once, if the Trainer is loaded (idempotent)."""
+    module = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    if trainer_cls is None or getattr(trainer_cls.log, "ds_lowcomm_wrapped", False):
+        return
+    original_log, original_save = trainer_cls.log, trainer_cls.save_model
+
+    @functools.wraps(original_log)
+    def log(self, logs, *args, **kwargs):
+        engine = _engine(self)
+        if engine is not None and "loss" in logs:  # training entries only
+            logs.update(trainer_metrics(engine))
+        return original_log(self, logs, *args, **kwargs)
+
+    @functools.wraps(original_save)
+    def save_model(self, output_dir=None, _internal_call=False, *args, **kwargs):
+        engine = _engine(self)
+        if engine is not None and not _internal_call:
+            # The user's final export: install the update still in flight (acco, demo overlap).
+            # Checkpoints (_internal_call) keep it pending in the optimizer state instead, so
+            # saving never changes the training trajectory.
+            engine.optimizer.flush()
+        return original_save(self, output_dir, _internal_call, *args, **kwargs)
+
+    log.ds_lowcomm_wrapped = save_model.ds_lowcomm_wrapped = True
+    trainer_cls.log, trainer_cls.save_model = log, save_model
