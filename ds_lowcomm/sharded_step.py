@@ -24,6 +24,20 @@ if TYPE_CHECKING:
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
+def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
+    """The global L2 norm of the gradient shards ``grad`` over ``comm`` (one 4-byte all-reduce),
+    clipping ``grad`` in place to ``clip`` when positive; returns the norm before clipping."""
+    norm_sq = grad.double().square().sum().float().reshape(1)
+    comm.all_reduce(norm_sq)
+    norm = math.sqrt(norm_sq.item())
+    if clip > 0:
+        # DeepSpeed's ZeRO rule (stage_1_and_2.py unscale_and_clip_grads), so runs match stock.
+        factor = (norm + 1e-6) / clip
+        if factor > 1:
+            grad.mul_(1.0 / factor)
+    return norm
+
+
 class ShardedStepRound(Round):
     """One sharded AdamW step from a flat gradient sum.
 
@@ -74,15 +88,7 @@ class ShardedStepRound(Round):
         comm.reduce_scatter(recv, send)
         grad = recv.float() if recv.dtype != torch.float32 else recv
         grad.mul_(scale)
-        norm_sq = grad.double().square().sum().float().reshape(1)
-        comm.all_reduce(norm_sq)
-        self.grad_norm = math.sqrt(norm_sq.item())
-        clip = self.opt.gradient_clipping
-        if clip > 0:
-            # DeepSpeed's ZeRO rule (stage_1_and_2.py unscale_and_clip_grads), so runs match stock.
-            factor = (self.grad_norm + 1e-6) / clip
-            if factor > 1:
-                grad.mul_(1.0 / factor)
+        self.grad_norm = clip_by_global_norm(comm, grad, self.opt.gradient_clipping)
         out = self.adamw.master.to(self.target.dtype, copy=True)
         if self.estimate:
             self.adamw.estimate(grad, self.hyper, out)

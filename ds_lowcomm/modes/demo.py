@@ -26,7 +26,6 @@ the parameters (the gathered result) and of the gradients (the send buffer).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
@@ -37,6 +36,7 @@ from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
 from ds_lowcomm.round import Round
+from ds_lowcomm.sharded_step import clip_by_global_norm
 from ds_lowcomm.worker import Ticket
 
 if TYPE_CHECKING:
@@ -81,13 +81,7 @@ class DemoRound(Round):
         grad = send.new_empty(opt.flat.layout.shard_size)
         shard.reduce_scatter(grad, send)
         grad = grad.float().mul_(1.0 / shard.world)
-        norm_sq = grad.double().square().sum().float().reshape(1)
-        shard.all_reduce(norm_sq)
-        self.grad_norm = math.sqrt(norm_sq.item())
-        if opt.gradient_clipping > 0:
-            factor = (self.grad_norm + 1e-6) / opt.gradient_clipping
-            if factor > 1:
-                grad.mul_(1.0 / factor)
+        self.grad_norm = clip_by_global_norm(shard, grad, opt.gradient_clipping)
 
         for seg in mode.segments:
             sl = slice(seg.start, seg.end)
