@@ -118,6 +118,31 @@ def _resume(rank, world, save_dir, demo):
     return l_straight, l_resumed, workers.params_digest(straight), workers.params_digest(second)
 
 
+def _overlap_checkpoint_resumed_without_overlap(rank, world, save_dir):
+    source = workers.build_engine(demo_config(1, overlap=True))
+    workers.train(source, 4, rank=rank)
+    source.save_checkpoint(f"{save_dir}/in_flight")  # step 4's update not yet in the model
+    source.optimizer.flush()
+    source.save_checkpoint(f"{save_dir}/flushed")
+    resumed = {}
+    for tag in ("in_flight", "flushed"):
+        engine = workers.build_engine(demo_config(1), seed=5)
+        engine.load_checkpoint(f"{save_dir}/{tag}")
+        at_load = (workers.params_digest(engine), engine.optimizer.steps)
+        losses = workers.train(engine, 3, start=4, rank=rank)
+        resumed[tag] = (at_load, engine.global_steps, losses, workers.params_digest(engine))
+    return workers.params_digest(source), resumed
+
+
+def test_overlap_checkpoint_resumes_without_overlap(tmp_path):
+    # Loading installs the update that was in flight: the same weights, step count and momentum
+    # as a checkpoint taken after flush(), and from there the same training.
+    for flushed_digest, resumed in run_ranks(_overlap_checkpoint_resumed_without_overlap, 2,
+                                             str(tmp_path)):
+        assert resumed["in_flight"] == resumed["flushed"]
+        assert resumed["in_flight"][0][0] == flushed_digest
+
+
 def _load_at_one_rank(rank, world, save_dir):
     from ds_lowcomm import CheckpointError
 

@@ -205,7 +205,6 @@ class Demo(Mode):
         if pending is None or not self.options.overlap:
             self.opt.set_params(state["master"])
             if pending is not None:  # saved with overlap, resumed without: install it now
-                self.opt._global_grad_norm = pending["grad_norm"]
                 self.opt.steps += 1
             return
         # Re-create the finished, not yet installed round: the next boundary installs it, so the
