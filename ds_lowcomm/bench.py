@@ -348,7 +348,8 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(CONFIGS)}")
     if not TRAIN.is_file():
-        ap.error(f"{TRAIN} not found: run the bench from a source checkout (pip install -e .)")
+        ap.error(f"{TRAIN} not found: the bench runs examples/train.py with ds_configs/ of a source "
+                 f"checkout; run it from the checkout's root (cd ds_lowcomm && python -m ds_lowcomm.bench)")
     return args
 
 

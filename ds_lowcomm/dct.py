@@ -1,9 +1,16 @@
 """DCT top-k codec for DeMo: tiles, orthonormal 2-D DCT-II, per-tile top-k, one packed wire buffer.
 
-A flat fp32 vector is zero-padded to a whole number of ``chunk × chunk`` tiles (never a smaller
-chunk, unlike the reference code's divisor rule that can degrade to chunk 1). Each tile gets an
-orthonormal 2-D DCT-II (``D X Dᵀ`` with a cached basis: two batched matrix products, fast on CPU
-and GPU); its ``topk`` largest-magnitude coefficients are kept.
+A flat fp32 vector is cut into ``chunk × chunk`` tiles, zero-padded to whole tiles (never a
+smaller chunk, unlike the reference code's divisor rule that can degrade to chunk 1). Two tilings:
+
+* flat (default): tile t holds elements ``t·chunk² … (t+1)·chunk² − 1`` in order, whatever the
+  parameter boundaries (as torchtitan-lowcomms tiles a flat shard);
+* matrix (:func:`matrix_tile_index`): each weight matrix is cut into chunk × chunk blocks of its
+  own rows and columns (edges padded), the reference DeMo's 2-D tiling; what is not a whole matrix
+  row (1-D parameters, partial rows at a shard's edges) is tiled flat after them.
+
+Each tile gets an orthonormal 2-D DCT-II (``D X Dᵀ`` with a cached basis: two batched matrix
+products, fast on CPU and GPU); its ``topk`` largest-magnitude coefficients are kept.
 
 Wire format of one rank's payload (one ``uint8`` buffer per step, all parameters together), for T
 tiles and k coefficients per tile:
@@ -24,9 +31,9 @@ replica that decodes the same gathered buffers computes bit-identical results.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,23 +49,52 @@ def _basis(chunk: int, device: str) -> torch.Tensor:
     return d.to(torch.float32).to(device)
 
 
+def matrix_tile_index(numel: int, blocks: Sequence[Tuple[int, int, int]], chunk: int) -> torch.Tensor:
+    """Tile layout following matrix structure, for :class:`DctTopK`'s ``tile_index``.
+
+    ``blocks``: non-overlapping ``(start, rows, cols)`` row-major matrices inside a flat vector of
+    ``numel`` elements. Returns, tile after tile, the flat position of every tile element; padding
+    points at ``numel`` (read as zero, written nowhere). Elements outside every block follow in
+    order, tiled flat.
+    """
+    c = chunk
+    parts, covered = [], torch.zeros(numel, dtype=torch.bool)
+    for start, rows, cols in blocks:
+        R, C = -(-rows // c) * c, -(-cols // c) * c
+        grid = torch.full((R, C), numel, dtype=torch.int64)
+        grid[:rows, :cols] = torch.arange(start, start + rows * cols).view(rows, cols)
+        parts.append(grid.view(R // c, c, C // c, c).permute(0, 2, 1, 3).reshape(-1))
+        covered[start: start + rows * cols] = True
+    rest = (~covered).nonzero().squeeze(1)
+    parts += [rest, torch.full(((-rest.numel()) % (c * c),), numel, dtype=torch.int64)]
+    return torch.cat(parts)
+
+
 @dataclass(frozen=True)
 class DctTopK:
-    """The codec for vectors of ``numel`` elements (see the module docstring)."""
+    """The codec for vectors of ``numel`` elements (see the module docstring).
+
+    ``tile_index``: None for flat tiling, else :func:`matrix_tile_index`'s layout.
+    """
 
     numel: int
     chunk: int = 64
     topk: int = 32
     values: str = "bf16"
+    tile_index: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not 1 <= self.topk <= self.chunk * self.chunk:
             raise ValueError(f"topk must be in [1, chunk²={self.chunk ** 2}], got {self.topk}")
         if self.values not in VALUE_FORMATS:
             raise ValueError(f"values must be one of {VALUE_FORMATS}, got {self.values!r}")
+        if self.tile_index is not None and self.tile_index.numel() % (self.chunk * self.chunk):
+            raise ValueError("tile_index must hold whole tiles")
 
     @property
     def tiles(self) -> int:
+        if self.tile_index is not None:
+            return self.tile_index.numel() // (self.chunk * self.chunk)
         return -(-self.numel // (self.chunk * self.chunk))
 
     @property
@@ -77,11 +113,22 @@ class DctTopK:
     # -- transforms ---------------------------------------------------------------------------
 
     def to_tiles(self, flat: torch.Tensor) -> torch.Tensor:
-        """Zero-pad a flat vector and view it as (T, chunk, chunk)."""
+        """The flat vector laid out as (T, chunk, chunk) tiles, zero-padded."""
         c = self.chunk
+        if self.tile_index is not None:
+            padded = torch.cat([flat, flat.new_zeros(1)])
+            return padded[self.tile_index.to(flat.device)].view(self.tiles, c, c)
         padded = flat.new_zeros(self.tiles * c * c)
         padded[: self.numel] = flat
         return padded.view(self.tiles, c, c)
+
+    def from_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_tiles`: the flat vector (padding dropped)."""
+        if self.tile_index is None:
+            return tiles.reshape(-1)[: self.numel]
+        flat = tiles.new_empty(self.numel + 1)
+        flat[self.tile_index.to(tiles.device)] = tiles.reshape(-1)  # padding all lands on [numel]
+        return flat[: self.numel]
 
     def dct(self, tiles: torch.Tensor) -> torch.Tensor:
         d = _basis(self.chunk, str(tiles.device))
@@ -115,7 +162,7 @@ class DctTopK:
         """The flat vector whose tiles' DCT holds ``vals`` at ``idx`` and zero elsewhere."""
         coeffs = torch.zeros(self.tiles, self.chunk * self.chunk, dtype=torch.float32, device=vals.device)
         coeffs.scatter_(1, idx, vals)
-        return self.idct(coeffs.view(self.tiles, self.chunk, self.chunk)).reshape(-1)[: self.numel]
+        return self.from_tiles(self.idct(coeffs.view(self.tiles, self.chunk, self.chunk)))
 
     def pack(self, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One uint8 buffer of ``payload_bytes`` (layout in the module docstring)."""
@@ -160,4 +207,4 @@ class DctTopK:
             total.scatter_add_(1, idx, vals)
             count.scatter_add_(1, idx, torch.ones_like(vals))
         mean = torch.where(count > 0, total / count.clamp(min=1), total)
-        return self.idct(mean.view(self.tiles, self.chunk, self.chunk)).reshape(-1)[: self.numel]
+        return self.from_tiles(self.idct(mean.view(self.tiles, self.chunk, self.chunk)))

@@ -9,7 +9,7 @@ shard optimizer steps with the group's hyperparameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -109,6 +109,21 @@ class FlatParams:
 
     def unpadded(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[: self.layout.numel]
+
+    def matrix_rows_in_shard(self) -> List[Tuple[int, int, int]]:
+        """``(start, rows, cols)`` in shard coordinates: the whole rows of each parameter of two
+        or more dimensions (a row = its last dimension) that lie in this rank's shard."""
+        lo, hi = self.layout.shard_start, self.layout.shard_start + self.layout.shard_size
+        blocks = []
+        for p in self.params:
+            if p.dim() < 2:
+                continue
+            start, cols = self.offsets[id(p)], p.shape[-1]
+            first = max(0, -(-(lo - start) // cols))
+            last = min(p.numel() // cols, (hi - start) // cols)
+            if last > first:
+                blocks.append((start + first * cols - lo, last - first, cols))
+        return blocks
 
 
 class GradAccumulator:

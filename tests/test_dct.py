@@ -1,8 +1,9 @@
-"""The DeMo codec: orthonormal DCT, top-k selection, pack/unpack, bytes equal to the formula."""
+"""The DeMo codec: orthonormal DCT, top-k selection, flat and matrix tiling, pack/unpack, bytes
+equal to the formula."""
 import pytest
 import torch
 
-from ds_lowcomm.dct import DctTopK
+from ds_lowcomm.dct import DctTopK, matrix_tile_index
 
 
 def test_dct_is_orthonormal_and_inverts():
@@ -53,3 +54,26 @@ def test_decode_mean_averages_over_contributors():
     want = torch.zeros(1, 64)
     want[0, 3], want[0, 5] = 3.0, 1.0  # index 3: mean of 2 and 4; index 5: only one contributor
     torch.testing.assert_close(got, codec.idct(want.view(1, 8, 8)).reshape(-1))
+
+
+def test_matrix_tiling_follows_rows_and_columns():
+    # A 1-D parameter, a 70 × 100 matrix, a stray tail, a 5 × 8 matrix, in one flat vector.
+    a, b = (10, 70, 100), (10 + 7000 + 33, 5, 8)
+    numel = b[0] + 40
+    index = matrix_tile_index(numel, [a, b], chunk=16)
+    real = index[index < numel]
+    assert real.numel() == numel and real.unique().numel() == numel  # every element exactly once
+    codec = DctTopK(numel, chunk=16, topk=8, tile_index=index)
+    assert codec.tiles == 5 * 7 + 1 + 1  # 70×100 padded to 80×112, 5×8 to 16×16, 43 others
+    x = torch.randn(numel)
+    tiles = codec.to_tiles(x)
+    m = x[10:7010].view(70, 100)
+    assert torch.equal(tiles[0], m[:16, :16]) and torch.equal(tiles[1], m[:16, 16:32])
+    assert torch.equal(tiles[7], m[16:32, :16])
+    edge = tiles[6]  # rows 0-15, columns 96-111: four real columns, the rest padding
+    assert torch.equal(edge[:, :4], m[:16, 96:]) and not edge[:, 4:].any()
+    assert torch.equal(codec.from_tiles(tiles), x)
+    full = DctTopK(numel, chunk=16, topk=256, tile_index=index)
+    i, v = full.encode(x)
+    torch.testing.assert_close(full.dense(i, v), x, rtol=0.01, atol=0.02)
+    assert DctTopK(numel, 16, 8, "sign", index).payload_bytes == 37 * 8 + 37 + 2 * 37

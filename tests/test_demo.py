@@ -6,7 +6,7 @@ import torch
 
 import workers
 from dist import run_ranks
-from ds_lowcomm.dct import DctTopK
+from ds_lowcomm.dct import DctTopK, matrix_tile_index
 
 GAS = 2
 
@@ -30,9 +30,12 @@ def _train_demo(rank, world, g, steps, demo, digest_every):
                 payload=opt.mode.codec.payload_bytes, padded=opt.flat.layout.padded)
 
 
-def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, values="bf16", delayed=False):
+def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, values="bf16", delayed=False,
+                   tiling="flat"):
     """DeMo from its equations, every rank its own replica, in one process. ``delayed``: the
-    gradients of step s are taken on the parameters after s−2 updates (one-step-delayed apply)."""
+    gradients of step s are taken on the parameters after s−2 updates (one-step-delayed apply).
+    ``tiling="matrix"``: each weight matrix tiled on its own rows and columns, as the reference
+    DeMo does."""
     torch.set_num_threads(1)
     hp = cfg["optimizer"]["params"]
     lr, wd, clip = hp["lr"], hp["weight_decay"], cfg["gradient_clipping"]
@@ -41,7 +44,12 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
     theta = torch.zeros(padded)
     n = sum(p.numel() for p in params)
     theta[:n] = torch.nn.utils.parameters_to_vector(params).detach()
-    codec = DctTopK(padded, chunk, topk, values)
+    index = None
+    if tiling == "matrix":
+        offsets = [0] + [int(x) for x in torch.tensor([p.numel() for p in params]).cumsum(0)]
+        index = matrix_tile_index(padded, [(o, p.numel() // p.shape[-1], p.shape[-1])
+                                           for o, p in zip(offsets, params) if p.dim() >= 2], chunk)
+    codec = DctTopK(padded, chunk, topk, values, index)
     delta = [torch.zeros(padded) for _ in range(world)]
     history = [theta]
     for step in range(steps):
@@ -69,11 +77,12 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
     return theta[:n]
 
 
-def test_matches_reference_demo():
+@pytest.mark.parametrize("tiling", ["flat", "matrix"])
+def test_matches_reference_demo(tiling):
     steps = 10
-    r0, r1 = run_ranks(_train_demo, 2, 1, steps, {}, 1)
+    r0, r1 = run_ranks(_train_demo, 2, 1, steps, {"tiling": tiling}, 1)
     assert r0["digests"] == r1["digests"]
-    ref = reference_demo(2, steps, demo_config(1), r0["padded"])
+    ref = reference_demo(2, steps, demo_config(1), r0["padded"], tiling=tiling)
     torch.testing.assert_close(r0["master"], ref, rtol=1e-5, atol=1e-5)
     assert r0["losses"][-1] < r0["losses"][0]
 

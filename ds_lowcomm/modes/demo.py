@@ -33,7 +33,7 @@ import torch
 
 from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, shard_of
 from ds_lowcomm.config import LowCommConfigError, option
-from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
+from ds_lowcomm.dct import VALUE_FORMATS, DctTopK, matrix_tile_index
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
 from ds_lowcomm.round import Round
 from ds_lowcomm.sharded_step import clip_by_global_norm
@@ -51,6 +51,9 @@ class DemoOptions:
     topk: int = option(32, "coefficients kept per tile", minimum=1)
     values: str = option("bf16", "wire format of the kept coefficients: 'bf16', or 'sign' (1 bit "
                          "plus one bf16 scale per tile)", choices=VALUE_FORMATS)
+    tiling: str = option("flat", "'flat': tiles of consecutive elements of the flat shard; 'matrix': "
+                         "chunk × chunk blocks of each weight matrix's rows and columns",
+                         choices=("flat", "matrix"))
     overlap: bool = option(False, "run each step's communication while the next step computes; "
                            "its update reaches the model one step late")
 
@@ -132,7 +135,10 @@ class Demo(Mode):
         layout = opt.flat.layout
         self.master = layout.shard(opt.flat.buffer).to(torch.float32, copy=True)
         self.delta = torch.zeros_like(self.master)
-        self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values)
+        tile_index = None
+        if options.tiling == "matrix":
+            tile_index = matrix_tile_index(layout.shard_size, opt.flat.matrix_rows_in_shard(), options.chunk)
+        self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values, tile_index)
         self.segments = layout.segments()
         self.step_count = 0
         self.ticket: Optional[Ticket] = None  # overlap: the round in flight (or done, not installed)

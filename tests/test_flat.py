@@ -1,0 +1,25 @@
+"""FlatParams: one padded flat buffer cut into equal shards, and the whole matrix rows in a shard
+(what DeMo's matrix tiling tiles)."""
+import torch
+
+from ds_lowcomm.flat import FlatParams
+
+
+def _params():
+    shapes = [(10,), (7, 5), (3,), (2, 3, 4)]  # at flat offsets 0, 10, 45, 48; 72 elements
+    return [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+
+
+def test_matrix_rows_in_each_shard():
+    # 3 shards of 32 (72 padded to 96): row 4 of the 7 × 5 matrix (elements 30-34) straddles
+    # shards 0 and 1, so neither counts it; the 3-D tensor is 6 rows of 4.
+    want = {0: [(10, 4, 5)], 1: [(3, 2, 5), (16, 4, 4)], 2: [(0, 2, 4)]}
+    for rank in range(3):
+        flat = FlatParams([{"params": _params()}], world=3, rank=rank)
+        assert flat.layout.shard_size == 32
+        assert flat.matrix_rows_in_shard() == want[rank]
+
+
+def test_one_shard_holds_every_matrix_whole():
+    flat = FlatParams([{"params": _params()}], world=1, rank=0)
+    assert flat.matrix_rows_in_shard() == [(10, 7, 5), (48, 6, 4)]
