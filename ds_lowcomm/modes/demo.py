@@ -13,8 +13,10 @@ packed payload travels. Per optimizer step, on each rank's shard::
     Q  = IDCT(mean over the replica group of the gathered coefficients, per index)
     θ ← θ·(1 − lr·wd) − lr·sign(Q)
 
-Tiles cover the flat shard (as torchtitan-lowcomms does), whatever the parameter boundaries, so any
-parameter shape works and the shard split is free. Bytes across replica groups per rank and step:
+Tiles (``tiling``, see ds_lowcomm.dct) cover the flat shard by default (as torchtitan-lowcomms
+does), whatever the parameter boundaries; ``"matrix"`` tiles each weight matrix's whole rows in the
+shard on its own rows and columns (the reference DeMo's 2-D tiling). Either way any parameter shape
+works and the shard split is free. Bytes across replica groups per rank and step:
 (R−1)·payload sent and received, payload = ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's
 bytes with chunk 64, top 32, bf16 values). δ differs per rank: it is saved in per-rank files.
 
