@@ -5,9 +5,10 @@ smaller chunk, unlike the reference code's divisor rule that can degrade to chun
 
 * flat (default): tile t holds elements ``t·chunk² … (t+1)·chunk² − 1`` in order, whatever the
   parameter boundaries (as torchtitan-lowcomms tiles a flat shard);
-* matrix (:func:`matrix_tile_index`): each weight matrix is cut into chunk × chunk blocks of its
-  own rows and columns (edges padded), the reference DeMo's 2-D tiling; what is not a whole matrix
-  row (1-D parameters, partial rows at a shard's edges) is tiled flat after them.
+* matrix (``matrices``): each given row-major matrix of the vector is cut into chunk × chunk
+  blocks of its own rows and columns (edges padded), the reference DeMo's 2-D tiling; what lies
+  outside them (1-D parameters, partial rows at a shard's edges) is tiled flat after them. Views
+  and copies only: no index tensor as large as the vector.
 
 Each tile gets an orthonormal 2-D DCT-II (``D X Dᵀ`` with a cached basis: two batched matrix
 products, fast on CPU and GPU); its ``topk`` largest-magnitude coefficients are kept.
@@ -31,9 +32,9 @@ replica that decodes the same gathered buffers computes bit-identical results.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import List, Tuple
 
 import torch
 
@@ -49,53 +50,53 @@ def _basis(chunk: int, device: str) -> torch.Tensor:
     return d.to(torch.float32).to(device)
 
 
-def matrix_tile_index(numel: int, blocks: Sequence[Tuple[int, int, int]], chunk: int) -> torch.Tensor:
-    """Tile layout following matrix structure, for :class:`DctTopK`'s ``tile_index``.
-
-    ``blocks``: non-overlapping ``(start, rows, cols)`` row-major matrices inside a flat vector of
-    ``numel`` elements. Returns, tile after tile, the flat position of every tile element; padding
-    points at ``numel`` (read as zero, written nowhere). Elements outside every block follow in
-    order, tiled flat.
-    """
-    c = chunk
-    parts, covered = [], torch.zeros(numel, dtype=torch.bool)
-    for start, rows, cols in blocks:
-        R, C = -(-rows // c) * c, -(-cols // c) * c
-        grid = torch.full((R, C), numel, dtype=torch.int64)
-        grid[:rows, :cols] = torch.arange(start, start + rows * cols).view(rows, cols)
-        parts.append(grid.view(R // c, c, C // c, c).permute(0, 2, 1, 3).reshape(-1))
-        covered[start: start + rows * cols] = True
-    rest = (~covered).nonzero().squeeze(1)
-    parts += [rest, torch.full(((-rest.numel()) % (c * c),), numel, dtype=torch.int64)]
-    return torch.cat(parts)
-
-
 @dataclass(frozen=True)
 class DctTopK:
     """The codec for vectors of ``numel`` elements (see the module docstring).
 
-    ``tile_index``: None for flat tiling, else :func:`matrix_tile_index`'s layout.
+    ``matrices``: ``(start, rows, cols)`` row-major matrices of the vector, sorted and disjoint,
+    for matrix tiling; empty for flat tiling.
     """
 
     numel: int
     chunk: int = 64
     topk: int = 32
     values: str = "bf16"
-    tile_index: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    matrices: Tuple[Tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.topk <= self.chunk * self.chunk:
             raise ValueError(f"topk must be in [1, chunk²={self.chunk ** 2}], got {self.topk}")
         if self.values not in VALUE_FORMATS:
             raise ValueError(f"values must be one of {VALUE_FORMATS}, got {self.values!r}")
-        if self.tile_index is not None and self.tile_index.numel() % (self.chunk * self.chunk):
-            raise ValueError("tile_index must hold whole tiles")
+        end = 0
+        for start, rows, cols in self.matrices:
+            if start < end or rows < 1 or cols < 1 or start + rows * cols > self.numel:
+                raise ValueError(f"matrices must be sorted, disjoint and inside {self.numel} elements; "
+                                 f"got {self.matrices}")
+            end = start + rows * cols
 
-    @property
+    def _padded(self, rows: int, cols: int) -> Tuple[int, int]:
+        return -(-rows // self.chunk) * self.chunk, -(-cols // self.chunk) * self.chunk
+
+    @cached_property
+    def _rest(self) -> List[Tuple[int, int]]:
+        """The ranges outside every matrix, in order (tiled flat after the matrices)."""
+        out, pos = [], 0
+        for start, rows, cols in self.matrices:
+            if start > pos:
+                out.append((pos, start))
+            pos = start + rows * cols
+        if pos < self.numel:
+            out.append((pos, self.numel))
+        return out
+
+    @cached_property
     def tiles(self) -> int:
-        if self.tile_index is not None:
-            return self.tile_index.numel() // (self.chunk * self.chunk)
-        return -(-self.numel // (self.chunk * self.chunk))
+        c2 = self.chunk * self.chunk
+        in_matrices = sum(R * C for R, C in (self._padded(r, c) for _, r, c in self.matrices))
+        rest = sum(b - a for a, b in self._rest)
+        return in_matrices // c2 + -(-rest // c2)
 
     @property
     def index_dtype(self) -> torch.dtype:
@@ -115,20 +116,35 @@ class DctTopK:
     def to_tiles(self, flat: torch.Tensor) -> torch.Tensor:
         """The flat vector laid out as (T, chunk, chunk) tiles, zero-padded."""
         c = self.chunk
-        if self.tile_index is not None:
-            padded = torch.cat([flat, flat.new_zeros(1)])
-            return padded[self.tile_index.to(flat.device)].view(self.tiles, c, c)
-        padded = flat.new_zeros(self.tiles * c * c)
-        padded[: self.numel] = flat
-        return padded.view(self.tiles, c, c)
+        if not self.matrices:
+            padded = flat.new_zeros(self.tiles * c * c)
+            padded[: self.numel] = flat
+            return padded.view(self.tiles, c, c)
+        parts = []
+        for start, rows, cols in self.matrices:
+            R, C = self._padded(rows, cols)
+            m = torch.nn.functional.pad(flat[start: start + rows * cols].view(rows, cols), (0, C - cols, 0, R - rows))
+            parts.append(m.view(R // c, c, C // c, c).transpose(1, 2).reshape(-1))
+        parts += [flat[a:b] for a, b in self._rest]
+        used = sum(p.numel() for p in parts)
+        parts.append(flat.new_zeros(self.tiles * c * c - used))
+        return torch.cat(parts).view(self.tiles, c, c)
 
     def from_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`to_tiles`: the flat vector (padding dropped)."""
-        if self.tile_index is None:
-            return tiles.reshape(-1)[: self.numel]
-        flat = tiles.new_empty(self.numel + 1)
-        flat[self.tile_index.to(tiles.device)] = tiles.reshape(-1)  # padding all lands on [numel]
-        return flat[: self.numel]
+        c, seq = self.chunk, tiles.reshape(-1)
+        if not self.matrices:
+            return seq[: self.numel]
+        flat, pos = tiles.new_empty(self.numel), 0
+        for start, rows, cols in self.matrices:
+            R, C = self._padded(rows, cols)
+            m = seq[pos: pos + R * C].view(R // c, C // c, c, c).transpose(1, 2).reshape(R, C)
+            flat[start: start + rows * cols].view(rows, cols).copy_(m[:rows, :cols])
+            pos += R * C
+        for a, b in self._rest:
+            flat[a:b] = seq[pos: pos + b - a]
+            pos += b - a
+        return flat
 
     def dct(self, tiles: torch.Tensor) -> torch.Tensor:
         d = _basis(self.chunk, str(tiles.device))

@@ -3,7 +3,7 @@ equal to the formula."""
 import pytest
 import torch
 
-from ds_lowcomm.dct import DctTopK, matrix_tile_index
+from ds_lowcomm.dct import DctTopK
 
 
 def test_dct_is_orthonormal_and_inverts():
@@ -60,10 +60,7 @@ def test_matrix_tiling_follows_rows_and_columns():
     # A 1-D parameter, a 70 × 100 matrix, a stray tail, a 5 × 8 matrix, in one flat vector.
     a, b = (10, 70, 100), (10 + 7000 + 33, 5, 8)
     numel = b[0] + 40
-    index = matrix_tile_index(numel, [a, b], chunk=16)
-    real = index[index < numel]
-    assert real.numel() == numel and real.unique().numel() == numel  # every element exactly once
-    codec = DctTopK(numel, chunk=16, topk=8, tile_index=index)
+    codec = DctTopK(numel, chunk=16, topk=8, matrices=(a, b))
     assert codec.tiles == 5 * 7 + 1 + 1  # 70×100 padded to 80×112, 5×8 to 16×16, 43 others
     x = torch.randn(numel)
     tiles = codec.to_tiles(x)
@@ -72,8 +69,13 @@ def test_matrix_tiling_follows_rows_and_columns():
     assert torch.equal(tiles[7], m[16:32, :16])
     edge = tiles[6]  # rows 0-15, columns 96-111: four real columns, the rest padding
     assert torch.equal(edge[:, :4], m[:16, 96:]) and not edge[:, 4:].any()
-    assert torch.equal(codec.from_tiles(tiles), x)
-    full = DctTopK(numel, chunk=16, topk=256, tile_index=index)
+    assert torch.equal(tiles[35], torch.nn.functional.pad(x[b[0]:b[0] + 40].view(5, 8), (0, 8, 0, 11)))
+    rest = torch.cat([x[:10], x[7010:b[0]]])  # 43 elements outside the matrices, tiled flat
+    assert torch.equal(tiles[36].flatten()[:43], rest) and not tiles[36].flatten()[43:].any()
+    assert torch.equal(codec.from_tiles(tiles), x)  # every element exactly once
+    full = DctTopK(numel, chunk=16, topk=256, matrices=(a, b))
     i, v = full.encode(x)
     torch.testing.assert_close(full.dense(i, v), x, rtol=0.01, atol=0.02)
-    assert DctTopK(numel, 16, 8, "sign", index).payload_bytes == 37 * 8 + 37 + 2 * 37
+    assert DctTopK(numel, 16, 8, "sign", (a, b)).payload_bytes == 37 * 8 + 37 + 2 * 37
+    with pytest.raises(ValueError, match="sorted, disjoint"):
+        DctTopK(numel, 16, 8, matrices=(b, a))

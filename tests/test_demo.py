@@ -6,7 +6,7 @@ import torch
 
 import workers
 from dist import run_ranks
-from ds_lowcomm.dct import DctTopK, matrix_tile_index
+from ds_lowcomm.dct import DctTopK
 
 GAS = 2
 
@@ -31,11 +31,11 @@ def _train_demo(rank, world, g, steps, demo, digest_every):
 
 
 def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, values="bf16", delayed=False,
-                   tiling="flat"):
+                   tiling="matrix"):
     """DeMo from its equations, every rank its own replica, in one process. ``delayed``: the
     gradients of step s are taken on the parameters after s−2 updates (one-step-delayed apply).
-    ``tiling="matrix"``: each weight matrix tiled on its own rows and columns, as the reference
-    DeMo does."""
+    ``tiling``: "matrix" tiles each weight matrix on its own rows and columns, as the reference
+    DeMo does; "flat" tiles consecutive elements of the flat vector."""
     torch.set_num_threads(1)
     hp = cfg["optimizer"]["params"]
     lr, wd, clip = hp["lr"], hp["weight_decay"], cfg["gradient_clipping"]
@@ -44,12 +44,12 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
     theta = torch.zeros(padded)
     n = sum(p.numel() for p in params)
     theta[:n] = torch.nn.utils.parameters_to_vector(params).detach()
-    index = None
+    matrices = ()
     if tiling == "matrix":
         offsets = [0] + [int(x) for x in torch.tensor([p.numel() for p in params]).cumsum(0)]
-        index = matrix_tile_index(padded, [(o, p.numel() // p.shape[-1], p.shape[-1])
-                                           for o, p in zip(offsets, params) if p.dim() >= 2], chunk)
-    codec = DctTopK(padded, chunk, topk, values, index)
+        matrices = tuple((o, p.numel() // p.shape[-1], p.shape[-1]) for o, p in zip(offsets, params)
+                         if p.dim() >= 2)
+    codec = DctTopK(padded, chunk, topk, values, matrices)
     delta = [torch.zeros(padded) for _ in range(world)]
     history = [theta]
     for step in range(steps):

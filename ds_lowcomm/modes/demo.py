@@ -13,10 +13,11 @@ packed payload travels. Per optimizer step, on each rank's shard::
     Q  = IDCT(mean over the replica group of the gathered coefficients, per index)
     θ ← θ·(1 − lr·wd) − lr·sign(Q)
 
-Tiles (``tiling``, see ds_lowcomm.dct) cover the flat shard by default (as torchtitan-lowcomms
-does), whatever the parameter boundaries; ``"matrix"`` tiles each weight matrix's whole rows in the
-shard on its own rows and columns (the reference DeMo's 2-D tiling). Either way any parameter shape
-works and the shard split is free. Bytes across replica groups per rank and step:
+Tiles (``tiling``, see ds_lowcomm.dct): by default each weight matrix's whole rows in the shard are
+tiled on the matrix's own rows and columns (the reference DeMo's 2-D tiling), the rest flat;
+``"flat"`` tiles the flat shard whatever the parameter boundaries (as torchtitan-lowcomms does).
+Matrix tiling gave 0.2–0.5% lower loss in each of four measured settings for ~1% more payload
+(README). Either way any parameter shape works and the shard split is free. Bytes across replica groups per rank and step:
 (R−1)·payload sent and received, payload = ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's
 bytes with chunk 64, top 32, bf16 values). δ differs per rank: it is saved in per-rank files.
 
@@ -35,7 +36,7 @@ import torch
 
 from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, shard_of
 from ds_lowcomm.config import LowCommConfigError, option
-from ds_lowcomm.dct import VALUE_FORMATS, DctTopK, matrix_tile_index
+from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
 from ds_lowcomm.round import Round
 from ds_lowcomm.sharded_step import clip_by_global_norm
@@ -53,9 +54,9 @@ class DemoOptions:
     topk: int = option(32, "coefficients kept per tile", minimum=1)
     values: str = option("bf16", "wire format of the kept coefficients: 'bf16', or 'sign' (1 bit "
                          "plus one bf16 scale per tile)", choices=VALUE_FORMATS)
-    tiling: str = option("flat", "'flat': tiles of consecutive elements of the flat shard; 'matrix': "
-                         "chunk × chunk blocks of each weight matrix's rows and columns",
-                         choices=("flat", "matrix"))
+    tiling: str = option("matrix", "'matrix': chunk × chunk blocks of each weight matrix's rows and "
+                         "columns; 'flat': tiles of consecutive elements of the flat shard",
+                         choices=("matrix", "flat"))
     overlap: bool = option(False, "run each step's communication while the next step computes; "
                            "its update reaches the model one step late")
 
@@ -137,10 +138,8 @@ class Demo(Mode):
         layout = opt.flat.layout
         self.master = layout.shard(opt.flat.buffer).to(torch.float32, copy=True)
         self.delta = torch.zeros_like(self.master)
-        tile_index = None
-        if options.tiling == "matrix":
-            tile_index = matrix_tile_index(layout.shard_size, opt.flat.matrix_rows_in_shard(), options.chunk)
-        self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values, tile_index)
+        matrices = tuple(opt.flat.matrix_rows_in_shard()) if options.tiling == "matrix" else ()
+        self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values, matrices)
         self.segments = layout.segments()
         self.step_count = 0
         self.ticket: Optional[Ticket] = None  # overlap: the round in flight (or done, not installed)
