@@ -30,12 +30,20 @@ def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
     norm_sq = grad.double().square().sum().float().reshape(1)
     comm.all_reduce(norm_sq)
     norm = math.sqrt(norm_sq.item())
+    scale = clip_scale(norm, clip)
+    if scale != 1.0:
+        grad.mul_(scale)
+    return norm
+
+
+def clip_scale(norm: float, clip: float) -> float:
+    """What clipping to ``clip`` (when positive) multiplies a gradient of L2 norm ``norm`` by."""
     if clip > 0:
         # DeepSpeed's ZeRO rule (stage_1_and_2.py unscale_and_clip_grads), so runs match stock.
         factor = (norm + 1e-6) / clip
         if factor > 1:
-            grad.mul_(1.0 / factor)
-    return norm
+            return 1.0 / factor
+    return 1.0
 
 
 class ShardedStepRound(Round):

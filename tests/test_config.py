@@ -63,6 +63,8 @@ BAD = [
     (lambda c: c["lowcomm"].update(mode="demo", shard_group_size=1, demo={"chunk": 8, "topk": 65}),
      "lowcomm.demo.topk", "chunk² = 64"),
     (_set(("lowcomm", "demo"), {"values": "fp8"}), "lowcomm.demo.values", "allowed: 'bf16', 'sign'"),
+    (lambda c: c["lowcomm"].update(mode="demo", shard_group_size=2, demo={"overlap": True}),
+     "lowcomm.demo.lookahead", "set demo.lookahead to false"),
     (lambda c: c["lowcomm"].update(mode="desloc"), "lowcomm.shard_group_size", "ranks per node"),
     (_set(("lowcomm", "desloc"), {"param_sync_every": 0}), "lowcomm.desloc.param_sync_every", ">= 1"),
     (_set(("lowcomm", "desloc"), {"momentum_sync_every": -3}), "lowcomm.desloc.momentum_sync_every", ">= 0"),

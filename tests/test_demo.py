@@ -31,9 +31,10 @@ def _train_demo(rank, world, g, steps, demo, digest_every):
 
 
 def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, values="bf16", delayed=False,
-                   tiling="matrix"):
+                   lookahead=False, tiling="matrix"):
     """DeMo from its equations, every rank its own replica, in one process. ``delayed``: the
-    gradients of step s are taken on the parameters after s−2 updates (one-step-delayed apply).
+    gradients of step s are taken on the parameters after s−2 updates (one-step-delayed apply);
+    with ``lookahead``, moved by −lr·sign(β·δ + lr·clipped g) of the rank's previous step.
     ``tiling``: "matrix" tiles each weight matrix on its own rows and columns, as the reference
     DeMo does; "flat" tiles consecutive elements of the flat vector."""
     torch.set_num_threads(1)
@@ -51,12 +52,14 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
                          if p.dim() >= 2)
     codec = DctTopK(padded, chunk, topk, values, matrices)
     delta = [torch.zeros(padded) for _ in range(world)]
+    look = [torch.zeros(padded) for _ in range(world)]
     history = [theta]
     for step in range(steps):
         payloads = []
         at = history[max(step - 1, 0)] if delayed else theta
         for i in range(world):
-            torch.nn.utils.vector_to_parameters(at[:n].clone(), params)
+            point = at - lr * look[i] if lookahead else at
+            torch.nn.utils.vector_to_parameters(point[:n].clone(), params)
             model.zero_grad()
             for micro in range(GAS):
                 x = workers.batch(step, micro, i)
@@ -64,6 +67,10 @@ def reference_demo(world, steps, cfg, padded, chunk=64, topk=32, beta=0.999, val
             g = torch.zeros(padded)
             g[:n] = torch.cat([p.grad.flatten() for p in params])
             # Exactly the library's arithmetic: sign() turns any rounding difference into a flip.
+            if lookahead:
+                norm = torch.linalg.vector_norm(g, dtype=torch.float64).item()
+                scale = 1.0 / ((norm + 1e-6) / clip) if (norm + 1e-6) / clip > 1 else 1.0
+                look[i] = (delta[i] * beta).add_(g, alpha=lr * scale).sign_()
             factor = (math.sqrt(g.double().square().sum().float().item()) + 1e-6) / clip
             if factor > 1:
                 g = g * (1.0 / factor)
@@ -87,14 +94,19 @@ def test_matches_reference_demo(tiling):
     assert r0["losses"][-1] < r0["losses"][0]
 
 
-def test_overlap_matches_one_step_delayed_reference():
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_overlap_matches_one_step_delayed_reference(lookahead):
     steps = 10
-    r0, r1 = run_ranks(_train_demo, 2, 1, steps, {"overlap": True}, 1)
-    assert r0["digests"] == r1["digests"]
-    ref = reference_demo(2, steps, demo_config(1), r0["padded"], delayed=True)
+    r0, r1 = run_ranks(_train_demo, 2, 1, steps, {"overlap": True, "lookahead": lookahead}, 1)
+    assert torch.equal(r0["master"], r1["master"])
+    # Each rank computes at its own look-ahead point; the replicas agree on every global update.
+    assert (r0["digests"] == r1["digests"]) != lookahead
+    ref = reference_demo(2, steps, demo_config(1), r0["padded"], delayed=True, lookahead=lookahead)
     torch.testing.assert_close(r0["master"], ref, rtol=1e-5, atol=1e-5)
+    other = reference_demo(2, steps, demo_config(1), r0["padded"], delayed=True, lookahead=not lookahead)
     undelayed = reference_demo(2, steps, demo_config(1), r0["padded"])
-    assert not torch.allclose(r0["master"], undelayed, rtol=1e-5, atol=1e-5)  # the delay is real
+    for wrong in (other, undelayed):  # the delay and the look-ahead are real
+        assert not torch.allclose(r0["master"], wrong, rtol=1e-5, atol=1e-5)
     ops = r0["stats"]["ops"]
     assert ops["replica.all_gather"]["calls"] == steps
     assert r0["stats"]["steps"] == steps - 1  # the last update is still in flight

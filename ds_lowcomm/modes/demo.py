@@ -17,15 +17,20 @@ Tiles (``tiling``, see ds_lowcomm.dct): by default each weight matrix's whole ro
 tiled on the matrix's own rows and columns (the reference DeMo's 2-D tiling), the rest flat;
 ``"flat"`` tiles the flat shard whatever the parameter boundaries (as torchtitan-lowcomms does).
 Matrix tiling gave 0.2–0.5% lower loss in each of four measured settings for ~1% more payload
-(README). Either way any parameter shape works and the shard split is free. Bytes across replica groups per rank and step:
-(R−1)·payload sent and received, payload = ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's
-bytes with chunk 64, top 32, bf16 values). δ differs per rank: it is saved in per-rank files.
+(README). Either way any parameter shape works and the shard split is free.
+
+Bytes across replica groups per rank and step: (R−1)·payload sent and received, payload =
+``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's bytes with chunk 64, top 32, bf16
+values). δ differs per rank: it is saved in per-rank files.
 
 ``overlap: true``: the whole step above runs as a round on the CommWorker (thread / side stream)
 while the next step's micro-batches compute, and its result becomes the model's parameters at the
-next boundary: the update is applied one step late (the gradients of step t+1 are taken on
-parameters without step t's update), as torchtitan-lowcomms and Psyche do. Costs one more copy of
-the parameters (the gathered result) and of the gradients (the send buffer).
+next boundary: the update is applied one step late, as torchtitan-lowcomms and Psyche do. Costs
+one more copy of the parameters (the gathered result) and of the gradients (the send buffer).
+``lookahead`` (with overlap; on by default) compensates the delay as they do: while step t's
+global update is in flight, step t+1's gradients are taken at θ_t − lr·sign(β·δ + lr·g_t), this
+rank's own momentum step, which the global result replaces at the next boundary. It needs the
+whole momentum on the rank (``shard_group_size: 1``) and one fp32 parameter-sized temporary.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
 from ds_lowcomm.round import Round
-from ds_lowcomm.sharded_step import clip_by_global_norm
+from ds_lowcomm.sharded_step import clip_by_global_norm, clip_scale
 from ds_lowcomm.worker import Ticket
 
 if TYPE_CHECKING:
@@ -59,6 +64,9 @@ class DemoOptions:
                          choices=("matrix", "flat"))
     overlap: bool = option(False, "run each step's communication while the next step computes; "
                            "its update reaches the model one step late")
+    lookahead: bool = option(True, "with overlap: take the next step's gradients at the parameters "
+                             "moved by this rank's own momentum step while the global one is in "
+                             "flight (needs shard_group_size 1)")
 
 
 class DemoRound(Round):
@@ -132,6 +140,12 @@ class Demo(Mode):
             raise LowCommConfigError(f"lowcomm.demo.topk: got {o.topk}; must be <= chunk² = {o.chunk ** 2}")
         require_shard_group_size(cfg, cls.name, "exchanges compressed momentum between shard groups "
                                                 "(1 = DeMo as in its paper)")
+        if o.overlap and o.lookahead and cfg.shard_group_size != 1:
+            raise LowCommConfigError(
+                "lowcomm.demo.lookahead: the look-ahead of demo.overlap needs the whole momentum on "
+                f"each rank (shard_group_size 1, got {cfg.shard_group_size}); set demo.lookahead "
+                "to false to overlap without it (the one-step-delayed update then costs loss, see "
+                "the README)")
 
     def __init__(self, opt: "LowCommOptimizer", options: DemoOptions) -> None:
         super().__init__(opt, options)
@@ -163,7 +177,25 @@ class Demo(Mode):
         opt.grads.zero_()
         rnd = DemoRound(self, self.send, self.gathered)
         rnd.pack()
+        if self.options.lookahead:
+            self._look_ahead(rnd.hyper)
         self.ticket = opt.worker.submit(rnd)
+
+    def _look_ahead(self, hyper: List[dict]) -> None:
+        """Move the model by this rank's own momentum step, sign(β·δ + lr·clipped g): the local
+        estimate of the global update in flight (torchtitan-lowcomms, Psyche). Runs before the
+        round is submitted, while δ is stable; the round's result overwrites the model."""
+        opt, send = self.opt, self.send
+        norm = torch.linalg.vector_norm(send, dtype=torch.float64).item()
+        scale = clip_scale(norm, opt.gradient_clipping)
+        step = self.delta * self.options.beta
+        for seg in self.segments:
+            sl = slice(seg.start, seg.end)
+            step[sl].add_(send[sl], alpha=hyper[seg.group]["lr"] * scale)
+        step.sign_()
+        for seg in self.segments:
+            sl = slice(seg.start, seg.end)
+            opt.flat.buffer[sl].sub_(step[sl], alpha=hyper[seg.group]["lr"])
 
     def _install_pending(self) -> None:
         """Overlap: wait for the round in flight and make its result the model's parameters."""
@@ -223,9 +255,17 @@ class Demo(Mode):
         self.ticket.done.set()
 
     def rank_state_dict(self) -> dict:
+        """δ; with a look-ahead in force, also this rank's model parameters (its own look-ahead
+        point: the model weights DeepSpeed saves are rank 0's)."""
         self._settle()
-        return {**rank_layout(self.opt.topology), "delta": self.delta.clone()}
+        state = {**rank_layout(self.opt.topology), "delta": self.delta.clone()}
+        if self.ticket is not None and self.options.lookahead:
+            state["lookahead_params"] = self.opt.flat.buffer.clone()
+        return state
 
     def load_rank_state_dict(self, state: dict) -> None:
         check_rank_layout(state, self.opt.topology, "each rank's momentum")
         self.delta.copy_(state["delta"])
+        point = state.get("lookahead_params")
+        if point is not None and self.ticket is not None:  # the update in flight was kept
+            self.opt.flat.buffer.copy_(point)
