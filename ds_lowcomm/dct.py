@@ -3,7 +3,7 @@
 A flat fp32 vector is cut into ``chunk × chunk`` tiles, zero-padded to whole tiles (never a
 smaller chunk, unlike the reference code's divisor rule that can degrade to chunk 1). Two tilings:
 
-* flat (default): tile t holds elements ``t·chunk² … (t+1)·chunk² − 1`` in order, whatever the
+* flat (no ``matrices``): tile t holds elements ``t·chunk² … (t+1)·chunk² − 1`` in order, whatever the
   parameter boundaries (as torchtitan-lowcomms tiles a flat shard);
 * matrix (``matrices``): each given row-major matrix of the vector is cut into chunk × chunk
   blocks of its own rows and columns (edges padded), the reference DeMo's 2-D tiling; what lies
