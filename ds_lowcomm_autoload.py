@@ -1,81 +1,106 @@
 """Zero-code activation of ds_lowcomm: an unmodified DeepSpeed script picks up a "lowcomm" JSON.
 
-``ds_lowcomm_autoload.pth``, installed into site-packages with the package, imports this module
-when the interpreter starts. It costs nothing until something imports ``deepspeed``: a meta-path
-finder waits for that import and, once DeepSpeed's ``__init__`` has run,
+``ds_lowcomm_autoload.pth``, installed into site-packages with the package, runs
+:func:`install_hook` when the interpreter starts. It puts a finder first on ``sys.meta_path`` that
+answers for ``deepspeed`` only: it asks the other finders for DeepSpeed's spec and wraps its loader,
+so whenever DeepSpeed's ``__init__`` has run (``import deepspeed``, ``from deepspeed import ...``,
+``importlib.import_module``, ``deepspeed.runtime.engine`` reached first, a lazy loader),
+:func:`activate`
 
-- imports :mod:`ds_lowcomm`, whose import patches ``deepspeed.initialize`` (the default);
-- or, with ``DS_LOWCOMM_AUTOLOAD=0`` (or if importing ds_lowcomm fails), wraps
-  ``deepspeed.initialize`` in a guard that refuses a config with a ``"lowcomm"`` section, so a user
-  never silently trains stock ZeRO-1 from a ds_lowcomm JSON. ``import ds_lowcomm`` in the script
-  still activates the package explicitly.
+- wraps ``DeepSpeedEngine.__init__`` in a check that refuses a config with a ``"lowcomm"`` section
+  unless the engine is ds_lowcomm's (it marks itself with ``accepts_lowcomm_config``): whatever the
+  path to the engine, a ``"lowcomm"`` JSON never trains stock DeepSpeed silently;
+- imports :mod:`ds_lowcomm`, whose import patches ``deepspeed.initialize`` (unless
+  ``DS_LOWCOMM_AUTOLOAD=0``; ``import ds_lowcomm`` in the script still activates it then).
 
-Standard library only: this runs in every interpreter of the environment.
+The finder is never used up: ``importlib.util.find_spec("deepspeed")`` (transformers' and
+accelerate's ``is_deepspeed_available``) gets the wrapped spec too, and the real import later goes
+through the finder again. Standard library only, and nothing imported at start-up beyond ``os``
+and ``sys``: this runs in every interpreter of the environment.
 """
-from __future__ import annotations
-
-import functools
-import importlib.abc
-import importlib.util
-import json
 import os
 import sys
 
 ENV = "DS_LOWCOMM_AUTOLOAD"
 SECTION = "lowcomm"
+#: why the hook did not activate ds_lowcomm in this process (None: it did, or no DeepSpeed yet)
+inactive_reason = None
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _config_of(args: tuple, kwargs: dict):
-    """The config ``deepspeed.initialize(args, model, ..., config, config_params)`` was given."""
-    config = kwargs.get("config") if kwargs.get("config") is not None else kwargs.get("config_params")
-    ds_args = kwargs.get("args", args[0] if args else None)
+def _engine_config(arguments: dict):
+    """The config dict a ``DeepSpeedEngine(args, model, ..., config, config_class)`` call carries."""
+    config_class = arguments.get("config_class")
+    if config_class is not None:
+        return getattr(config_class, "_param_dict", None)
+    config = arguments.get("config")
     if config is None:
-        config = getattr(ds_args, "deepspeed_config", None)
-    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        with open(config) as f:
-            text = f.read()
-        try:
-            return json.loads(text)
-        except ValueError:
-            import hjson  # DeepSpeed's own JSON reader accepts hjson
+        config = getattr(arguments.get("args"), "deepspeed_config", None)
+    if config is None or isinstance(config, dict):
+        return config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # DeepSpeed's own reader
 
-            return hjson.loads(text)
-    return config if isinstance(config, dict) else None
+    return load_ds_config(config)
 
 
-def guard(initialize, reason: str):
-    """``deepspeed.initialize`` that raises for a config with a ``"lowcomm"`` section."""
+def refusal(engine_cls) -> str:
+    """The one-line error for a ``"lowcomm"`` config reaching an engine that is not ds_lowcomm's."""
+    head = (f"this DeepSpeed config has a \"{SECTION}\" section, but it reached {engine_cls.__name__}, "
+            f"which would ignore it and train stock DeepSpeed")
+    if "ds_lowcomm" not in sys.modules:  # not activated, neither by the hook nor by an import
+        return (f"{head}: ds_lowcomm is not active ({inactive_reason or 'not imported'}). Unset {ENV} (or add "
+                f"`import ds_lowcomm` to the script) to train with it, or remove the section")
+    return (f"{head}. Build the engine with deepspeed.initialize(...) (ds_lowcomm replaces it; "
+            f"pipeline and hybrid engines are not supported), or remove the section")
 
-    @functools.wraps(initialize)
-    def guarded(*args, **kwargs):
-        config = _config_of(args, kwargs)
-        if isinstance(config, dict) and SECTION in config:
-            raise RuntimeError(
-                f"this DeepSpeed config has a \"{SECTION}\" section but ds_lowcomm is not active "
-                f"({reason}); stock DeepSpeed would ignore it and train plain ZeRO-1. Add "
-                f"`import ds_lowcomm` to the script, unset {ENV}, or remove the section")
-        return initialize(*args, **kwargs)
 
-    guarded.ds_lowcomm_guarded = initialize  # ds_lowcomm.initialize calls through to this
-    return guarded
+def guard_engine(engine_cls) -> None:
+    """Make ``engine_cls.__init__`` (and so every subclass's) refuse a ``"lowcomm"`` config unless
+    the class being built sets ``accepts_lowcomm_config`` (idempotent)."""
+    init = engine_cls.__init__
+    if getattr(init, "ds_lowcomm_guarded", False):
+        return
+    import functools
+    import inspect
+
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if not getattr(type(self), "accepts_lowcomm_config", False):
+            try:
+                config = _engine_config(signature.bind(self, *args, **kwargs).arguments)
+            except Exception:  # DeepSpeed reports a malformed call or config in its own words
+                config = None
+            if isinstance(config, dict) and SECTION in config:
+                raise RuntimeError(refusal(type(self)))
+        init(self, *args, **kwargs)
+
+    __init__.ds_lowcomm_guarded = True
+    engine_cls.__init__ = __init__
 
 
 def activate(deepspeed) -> None:
-    """Called once ``deepspeed`` is imported: patch it, or guard it."""
+    """Called once DeepSpeed's ``__init__`` has run: guard its engine, then load ds_lowcomm."""
+    global inactive_reason
+    guard_engine(deepspeed.runtime.engine.DeepSpeedEngine)
     if not enabled():
-        deepspeed.initialize = guard(deepspeed.initialize, f"{ENV}={os.environ.get(ENV)}")
+        inactive_reason = f"{ENV}={os.environ.get(ENV)}"
         return
     try:
         import ds_lowcomm  # noqa: F401  (its import patches deepspeed.initialize)
     except Exception as err:  # never break `import deepspeed` for scripts that do not use us
-        deepspeed.initialize = guard(deepspeed.initialize, f"importing ds_lowcomm failed: {err!r}")
+        inactive_reason = f"importing ds_lowcomm failed: {err!r}"
+    else:
+        inactive_reason = None
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
+    """DeepSpeed's own loader, with :func:`activate` after its ``exec_module``."""
+
     def __init__(self, loader) -> None:
         self.loader = loader
 
@@ -86,18 +111,26 @@ class _Loader(importlib.abc.Loader):
         self.loader.exec_module(module)
         activate(module)
 
+    def __getattr__(self, name):  # get_source, get_resource_reader, is_package, ...
+        return getattr(self.loader, name)
 
-class DeepSpeedImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``deepspeed`` with the other finders, and runs :func:`activate` after it loaded."""
+
+class DeepSpeedImportHook:
+    """Meta-path finder for ``deepspeed``: the spec the other finders give, with a wrapped loader."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "deepspeed":
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from finding us again
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
-        return spec
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _Loader):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
 
 
 def install_hook() -> None:

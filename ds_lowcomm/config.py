@@ -176,6 +176,9 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         raise LowCommConfigError(f"communication_data_type: got {comm!r}; allowed: \"fp32\", \"bf16\"")
     if ds.get("managed_gradient_accumulation", True) is False:
         raise LowCommConfigError("managed_gradient_accumulation: false is not supported; remove it")
+    if _enabled(ds.get("hybrid_engine")):
+        raise LowCommConfigError("hybrid_engine.enabled: DeepSpeed's hybrid (RLHF) engine is not "
+                                 "supported; remove it or the \"lowcomm\" section")
     tp = ds.get("tensor_parallel")
     if isinstance(tp, Mapping) and int(tp.get("autotp_size", 0) or 0) > 1:
         raise LowCommConfigError("tensor_parallel.autotp_size: tensor parallelism is not supported")

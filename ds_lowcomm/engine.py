@@ -74,6 +74,9 @@ class LowCommEngine(DeepSpeedEngine):
     Extra API: :meth:`comm_stats`, and ``engine.optimizer.flush()`` before exporting final weights.
     """
 
+    #: the autoload hook's engine check lets this class, and no stock engine, take a "lowcomm" JSON
+    accepts_lowcomm_config = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.enable_backward_allreduce = False
@@ -88,7 +91,7 @@ class LowCommEngine(DeepSpeedEngine):
             groups, cfg, gradient_clipping=self.gradient_clipping(),
             comm_dtype=_comm_dtype(self, cfg), param_names=names,
             gradient_accumulation_steps=self.gradient_accumulation_steps())
-        self.optimizer.on_step_completed = self._after_lowcomm_step
+        self.optimizer.on_step_taken = self._after_lowcomm_step
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False
@@ -103,16 +106,20 @@ class LowCommEngine(DeepSpeedEngine):
     def is_gradient_accumulation_boundary(self) -> bool:
         """DeepSpeed's boundary, except for modes that complete steps themselves (acco): those
         never present one, so ``engine.step()`` only counts micro-batches and the step's
-        bookkeeping runs in :meth:`_after_lowcomm_step` when the mode applies an update."""
+        bookkeeping runs in :meth:`_after_lowcomm_step` when the mode takes a step."""
         if self._drives_steps():
             return False
         return super().is_gradient_accumulation_boundary()
 
+    def get_global_grad_norm(self):
+        """Norm of the latest reduced gradient whose round has finished (under acco and demo
+        overlap, the step before the one just taken: its norm is known when its round lands)."""
+        return self.optimizer._global_grad_norm
+
     def _after_lowcomm_step(self) -> None:
-        """Called by the optimizer when an update has been applied to the model."""
+        """Called by the optimizer when a step is taken (:meth:`LowCommOptimizer.step_taken`)."""
         if self._drives_steps():
             # What DeepSpeed's _take_model_step does after optimizer.step() (engine.py, 0.19.8).
-            self._global_grad_norm = self.optimizer._global_grad_norm
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1

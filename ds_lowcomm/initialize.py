@@ -16,9 +16,7 @@ import torch
 
 from ds_lowcomm.config import SECTION, LowCommConfigError, parse
 
-# Under DS_LOWCOMM_AUTOLOAD=0 the autoload hook has wrapped DeepSpeed's function in a guard that
-# refuses "lowcomm" configs; an explicit `import ds_lowcomm` calls through to the real one.
-_original_initialize = getattr(deepspeed.initialize, "ds_lowcomm_guarded", deepspeed.initialize)
+_original_initialize = deepspeed.initialize
 
 
 def _resolve_config(bound: inspect.BoundArguments):

@@ -66,8 +66,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                  asynchronous=mode_cls.is_asynchronous(config.mode_options))
         self.micro_batches = 0
         self.steps = 0
-        #: called after each optimizer step's update reached the model (the engine's hook)
-        self.on_step_completed: Optional[Callable[[], None]] = None
+        #: called after each optimizer step is taken (the engine's hook)
+        self.on_step_taken: Optional[Callable[[], None]] = None
         self.mode = mode_cls(self, config.mode_options)
         # Read by DeepSpeed's engine after step() (engine.get_global_grad_norm, HF logging) and by
         # accelerate (``step_was_skipped``): steps are never skipped.
@@ -89,11 +89,15 @@ class LowCommOptimizer(torch.optim.Optimizer):
             raise ValueError("LowCommOptimizer.step does not take a closure")
         self.mode.step()
 
-    def step_completed(self) -> None:
-        """Called by the mode when an optimizer step's update has been applied to the model."""
+    def step_taken(self) -> None:
+        """Called by the mode when an optimizer step is taken: its gradient is final and its
+        update committed, applied to the model now or, for a round in flight (acco, demo
+        overlap), at the next switch. Counting steps here, not when the update lands, is what
+        makes a loop's step count, DeepSpeed's ``global_steps``, the LR schedule and checkpoint
+        tags agree."""
         self.steps += 1
-        if self.on_step_completed is not None:
-            self.on_step_completed()
+        if self.on_step_taken is not None:
+            self.on_step_taken()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the accumulator, which the mode clears; ``p.grad`` is always None."""

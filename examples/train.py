@@ -291,6 +291,8 @@ def main(argv=None) -> dict:
             say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
 
     link_bytes = read_link_bytes() - link_start if link_start is not None else None
+    if hasattr(engine, "comm_stats"):  # ds_lowcomm: install the update still in flight (acco, demo overlap)
+        engine.optimizer.flush()
     val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps)
     sent, received, wait = meter.per_step()
     steps_run = args.max_steps - start

@@ -25,7 +25,7 @@ class Mode(abc.ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type]
-    #: the mode decides when an optimizer step is complete (it calls ``opt.step_completed()``);
+    #: the mode decides when an optimizer step is taken (it calls ``opt.step_taken()``);
     #: DeepSpeed's engine then never sees an accumulation boundary of its own
     drives_steps: ClassVar[bool] = False
     #: :meth:`rank_state_dict` returns state (checkpoints then need one file per rank)

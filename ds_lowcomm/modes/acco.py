@@ -135,9 +135,6 @@ class Acco(Mode):
         rnd.install()
         if rnd.rank_counts is not None:
             self.rank_round_counts.append(rnd.rank_counts)
-        if not rnd.estimate:
-            # Before the next round is packed, so it reads the scheduler's next learning rate.
-            self.opt.step_completed()
         return rnd.estimate
 
     def _launch(self, zero_after: bool) -> None:
@@ -155,6 +152,11 @@ class Acco(Mode):
         self.next_estimate = self.two_rounds and not self.next_estimate
         self.since_switch = 0
         self.launched += 1
+        if not rnd.estimate:
+            # The step is taken: its gradient is final and its update in flight (it reaches the
+            # model at the next switch). After pack(), so the scheduler step this triggers
+            # gives the next round, not this one, the next learning rate.
+            self.opt.step_taken()
 
     def step(self) -> None:
         """Unused: ACCO's steps are driven from the backward passes (``drives_steps``)."""

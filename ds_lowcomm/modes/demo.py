@@ -170,7 +170,7 @@ class Demo(Mode):
             opt.worker.wait(opt.worker.submit(rnd))
             rnd.install()
             opt.grads.zero_()
-            opt.step_completed()
+            opt.step_taken()
             return
         self._install_pending()  # also frees ``send`` for this step's gradients
         self.send.copy_(opt.grads.buffer)
@@ -180,6 +180,7 @@ class Demo(Mode):
         if self.options.lookahead:
             self._look_ahead(rnd.hyper)
         self.ticket = opt.worker.submit(rnd)
+        opt.step_taken()  # its update reaches the model at the next boundary (or flush)
 
     def _look_ahead(self, hyper: List[dict]) -> None:
         """Move the model by this rank's own momentum step, sign(β·δ + lr·clipped g): the local
@@ -205,7 +206,6 @@ class Demo(Mode):
         self.opt.flat.buffer.copy_(self.gathered)
         self.ticket.round.install()
         self.ticket = None
-        self.opt.step_completed()
 
     def flush(self) -> None:
         """Overlap: install the update in flight, so the model holds the latest parameters."""
@@ -242,9 +242,7 @@ class Demo(Mode):
             self.delta.zero_()
         pending = state.get("pending")
         if pending is None or not self.options.overlap:
-            self.opt.set_params(state["master"])
-            if pending is not None:  # saved with overlap, resumed without: install it now
-                self.opt.steps += 1
+            self.opt.set_params(state["master"])  # saved with overlap, resumed without: installed now
             return
         # Re-create the finished, not yet installed round: the next boundary installs it, so the
         # model keeps the weights DeepSpeed restored until then.

@@ -82,7 +82,7 @@ class Desloc(Mode):
         opt.worker.wait(opt.worker.submit(rnd))
         rnd.install()
         opt.grads.zero_()
-        opt.step_completed()
+        opt.step_taken()
 
     def _average_due(self) -> None:
         """After the local update, before the all-gather: average the states due this step."""

@@ -50,7 +50,7 @@ class Zero1(Mode):
         opt.worker.wait(opt.worker.submit(rnd))
         rnd.install()
         opt.grads.zero_()
-        opt.step_completed()
+        opt.step_taken()
 
     def master_weights(self) -> torch.Tensor:
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
