@@ -36,8 +36,9 @@ setup(
     install_requires=["torch>=2.4", "deepspeed==0.19.8", "hjson"],
     extras_require={
         "examples": ["transformers>=4.40", "accelerate>=1.0"],
-        "test": ["transformers>=4.40", "accelerate>=1.0", "pytest>=7"],
-        "dev": ["transformers>=4.40", "accelerate>=1.0", "pytest>=7", "ruff"],
+        # datasets: the tests run a Trainer script written the way transformers' run_clm.py is
+        "test": ["transformers>=4.40", "accelerate>=1.0", "datasets>=2.14", "pytest>=7"],
+        "dev": ["transformers>=4.40", "accelerate>=1.0", "datasets>=2.14", "pytest>=7", "ruff"],
     },
     entry_points={"console_scripts": ["ds-lowcomm-export=ds_lowcomm.checkpoint:main"]},
 )

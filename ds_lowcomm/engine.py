@@ -147,6 +147,8 @@ class LowCommEngine(DeepSpeedEngine):
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         """DeepSpeed's ``save_checkpoint`` (collective), plus a per-rank file when the mode keeps
         per-rank state (e.g. acco's gradients accumulated mid-step)."""
+        # First, so every rank tags the same step: under acco a rank may be one launch behind.
+        self.optimizer.settle()
         tag = f"global_step{self.global_steps}" if tag is None else tag
         out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
                                       save_latest=save_latest, **kwargs)

@@ -108,6 +108,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Install any update still in flight (call before exporting the final model)."""
         self.mode.flush()
 
+    def settle(self) -> None:
+        """Every rank at the same step, no round running (collective; see :meth:`Mode.settle`)."""
+        self.mode.settle()
+
     def destroy(self) -> None:
         """Stop the comm worker and remove the gradient hooks (``engine.destroy()`` calls it)."""
         self.worker.close()

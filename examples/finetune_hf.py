@@ -1,12 +1,13 @@
 """Fine-tune a causal LM with the Hugging Face Trainer under a ds_lowcomm mode.
 
-    torchrun --nproc_per_node 2 examples/finetune_hf.py --deepspeed ds_configs/acco_zero1.json
-    torchrun --nproc_per_node 2 examples/finetune_hf.py --deepspeed ds_configs/zero1.json \\
+    torchrun --nproc_per_node 2 examples/finetune_hf.py --deepspeed ds_configs/hf/acco.json
+    torchrun --nproc_per_node 2 examples/finetune_hf.py --deepspeed ds_configs/hf/zero1.json \\
         --model gpt2 --data my_instructions.jsonl
 
-A plain Trainer script: nothing here is specific to ds_lowcomm. The installed autoload hook (or an
-``import ds_lowcomm``) makes the ``"lowcomm"`` section of the JSON take effect; the JSON's "auto"
-values are filled from the Trainer's arguments. On a CPU-only machine prefix ``DS_ACCELERATOR=cpu``.
+A plain Trainer script: nothing here names ds_lowcomm. The installed autoload hook makes the
+``"lowcomm"`` section of the JSON take effect; the Trainer fills the JSON's "auto" values from its
+arguments (``ds_configs/hf/`` leave every batch, clipping and optimizer value to the script).
+On a CPU-only machine prefix ``DS_ACCELERATOR=cpu``.
 
 Data (``--data``): a ``.jsonl`` file of instructions (``{"instruction", "input"?, "output"}`` or
 ``{"prompt", "response"}``) or documents (``{"text"}``), or any text file. Without it, Python's own
@@ -26,11 +27,6 @@ from pathlib import Path
 
 import torch
 import transformers
-
-try:  # the autoload hook already did this when the package is installed normally
-    import ds_lowcomm  # noqa: F401
-except ImportError:
-    ds_lowcomm = None
 
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -120,31 +116,18 @@ def parse_slow(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: expected RANK:FACTOR[,RANK:FACTOR], e.g. 1:3")
 
 
-def from_json(ds: dict) -> dict:
-    """TrainingArguments the JSON fixes (the Trainer refuses a JSON value that contradicts its own
-    argument; "auto" values are filled from the arguments instead)."""
-    opt = ds.get("optimizer", {}).get("params", {})
-    fixed = {"per_device_train_batch_size": ds.get("train_micro_batch_size_per_gpu"),
-             "gradient_accumulation_steps": ds.get("gradient_accumulation_steps"),
-             "max_grad_norm": ds.get("gradient_clipping"), "learning_rate": opt.get("lr"),
-             "weight_decay": opt.get("weight_decay"), "adam_epsilon": opt.get("eps")}
-    if isinstance(opt.get("betas"), list):
-        fixed["adam_beta1"], fixed["adam_beta2"] = opt["betas"]
-    return {k: v for k, v in fixed.items() if isinstance(v, (int, float))}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--deepspeed", required=True, help="DeepSpeed JSON (with a \"lowcomm\" section)")
+    ap.add_argument("--deepspeed", required=True,
+                    help="DeepSpeed JSON with a \"lowcomm\" section and \"auto\" values (ds_configs/hf/)")
     ap.add_argument("--model", default=None, help="NAME_OR_PATH of a causal LM; default: small GPT-2 from config")
     ap.add_argument("--data", default=None, help=".jsonl instructions/documents or a text file")
     ap.add_argument("--output-dir", default="runs/finetune_hf")
-    ap.add_argument("--max-steps", type=int, default=60,
-                    help="also the JSON scheduler's total_num_steps (its warmup: a tenth)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="when the JSON says \"auto\"")
-    ap.add_argument("--gas", type=int, default=4, help="gradient accumulation steps, when the JSON says \"auto\"")
+    ap.add_argument("--max-steps", type=int, default=60, help="optimizer steps (warmup: a tenth, then cosine)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per rank and micro-batch")
+    ap.add_argument("--gas", type=int, default=4, help="gradient accumulation steps")
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3, help="when the JSON says \"auto\"")
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     ap.add_argument("--slow-ranks", type=parse_slow, default={}, metavar="RANK:FACTOR[,...]")
@@ -166,14 +149,10 @@ def main() -> None:
     dataset = Blocks(read_records(args.data), encode, eos, args.block_size)
 
     slow = args.slow_ranks.get(rank, 1.0)
-    ds = json.loads(Path(args.deepspeed).read_text())
-    for key in ("total_num_steps", "warmup_num_steps"):  # the Trainer fills them from max_steps
-        if key in ds.get("scheduler", {}).get("params", {}):
-            ds["scheduler"]["params"][key] = "auto"
-    hyper = {"per_device_train_batch_size": args.micro_batch, "gradient_accumulation_steps": args.gas,
-             "learning_rate": args.lr, "weight_decay": 0.0, "max_grad_norm": 1.0, **from_json(ds)}
     targs = transformers.TrainingArguments(
-        output_dir=args.output_dir, deepspeed=ds, max_steps=args.max_steps, **hyper,
+        output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.gas,
+        learning_rate=args.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
         warmup_steps=max(1, args.max_steps // 10), lr_scheduler_type="cosine",
         logging_steps=max(1, args.max_steps // 10),
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,

@@ -130,7 +130,7 @@ def _estimate_leaves_no_trace(rank, world, monitor_dir):
         engine.step()
     opt = engine.optimizer
     adamw = opt.mode.adamw
-    opt.mode._settle()
+    opt.settle()
     before = [t.clone() for t in (adamw.master, adamw.exp_avg, adamw.exp_avg_sq)], adamw.step_count
     target = torch.zeros_like(opt.flat.buffer)
     rnd = ShardedStepRound(opt, adamw, opt.grads.buffer.clone(), target, local_count=GAS // 2, estimate=True)

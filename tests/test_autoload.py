@@ -1,47 +1,46 @@
-"""Zero-code activation: an unmodified DeepSpeed script (no `import ds_lowcomm`) gets our engine
-through the installed .pth hook, and fails loudly when the hook is switched off."""
-import json
+"""Zero-code activation: the installed .pth hook patches DeepSpeed however it is first found or
+imported, and a "lowcomm" config never reaches a stock engine. Each case runs in a fresh
+interpreter of the installed package (the whole scripts are in test_user_scripts.py)."""
 import os
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 import workers
-from dist import free_port
+from dist import run_ranks
 
-SCRIPT = '''
-import json, os, sys
+OURS = "ds_lowcomm/initialize.py"
+# Each snippet reaches DeepSpeed a different way, then prints the file deepspeed.initialize is from.
+FIRST_CONTACTS = {
+    "find_spec then import": "import importlib.util; importlib.util.find_spec('deepspeed'); import deepspeed",
+    "transformers and accelerate probes": (
+        "from transformers.integrations.deepspeed import is_deepspeed_available as hf; "
+        "from accelerate.utils import is_deepspeed_available as acc; assert hf() and acc(); import deepspeed"),
+    "import_module": "import importlib; deepspeed = importlib.import_module('deepspeed')",
+    "from-import": "from deepspeed import initialize; import deepspeed; assert initialize is deepspeed.initialize",
+    "submodule first": "import deepspeed.runtime.engine; import deepspeed",
+    "lazy loader": (
+        "import importlib.util, sys; spec = importlib.util.find_spec('deepspeed'); "
+        "spec.loader = importlib.util.LazyLoader(spec.loader); deepspeed = importlib.util.module_from_spec(spec); "
+        "sys.modules['deepspeed'] = deepspeed; spec.loader.exec_module(deepspeed); deepspeed.__version__"),
+}
+DIRECT_ENGINE = """
 import deepspeed, torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2))
-engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=sys.argv[1])
-losses = []
-for step in range(4):
-    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step))
-    loss = engine(x, labels=x).loss
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
-# One file per rank: two ranks printing to one pipe can interleave their lines.
-with open(f"result{os.environ['RANK']}.json", "w") as f:
-    json.dump({"engine": type(engine).__name__, "modules": sorted(
-        m for m in sys.modules if m.startswith("ds_lowcomm")), "losses": losses}, f)
-'''
+from deepspeed.runtime.engine import DeepSpeedEngine
+DeepSpeedEngine(args=None, model=torch.nn.Linear(2, 2), config={"train_batch_size": 1, "lowcomm": {"mode": "zero1"}})
+"""
 
 
-def _run(tmp_path, env_extra):
-    script = tmp_path / "plain_deepspeed_script.py"
-    script.write_text(SCRIPT)
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps(workers.config("zero1")))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env_extra)
-    # Run from the temporary directory: the package comes from the installation, as for a user.
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), str(script), str(config)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+def _python(code: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    # From an empty directory: the package comes from the installation, as for a user.
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_hook_is_installed():
@@ -50,17 +49,40 @@ def test_hook_is_installed():
                            f"`pip install .`); editable installs do not carry the hook")
 
 
-def test_unmodified_script_runs_our_engine(tmp_path):
-    out = _run(tmp_path, {})
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(2)]
-    for r in results:
-        assert r["engine"] == "LowCommEngine" and "ds_lowcomm.engine" in r["modules"]
-        assert r["losses"][-1] < r["losses"][0]
+def test_deepspeed_is_patched_however_it_is_first_reached(tmp_path):
+    code = {name: f"{snippet}; print('FROM', deepspeed.initialize.__code__.co_filename)"
+            for name, snippet in FIRST_CONTACTS.items()}
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip(code, pool.map(lambda c: _python(c, tmp_path), code.values())))
+    for name, out in runs.items():
+        assert out.returncode == 0, (name, out.stderr[-2000:])
+        assert out.stdout.split("FROM ")[-1].strip().endswith(OURS), (name, out.stdout)
 
 
-def test_disabled_autoload_fails_loudly(tmp_path):
-    out = _run(tmp_path, {"DS_LOWCOMM_AUTOLOAD": "0"})
+@pytest.mark.parametrize("env,message", [
+    ({}, "reached DeepSpeedEngine, which would ignore it and train stock DeepSpeed. Build the engine "
+         "with deepspeed.initialize(...)"),
+    ({"DS_LOWCOMM_AUTOLOAD": "0"}, "reached DeepSpeedEngine, which would ignore it and train stock DeepSpeed: "
+                                   "ds_lowcomm is not active (DS_LOWCOMM_AUTOLOAD=0). Unset DS_LOWCOMM_AUTOLOAD"),
+], ids=["active", "disabled"])
+def test_lowcomm_config_never_reaches_a_stock_engine(tmp_path, env, message):
+    out = _python(DIRECT_ENGINE, tmp_path, **env)
     assert out.returncode != 0
-    assert not list(tmp_path.glob("result*.json"))  # never trained stock ZeRO-1
-    assert 'has a "lowcomm" section but ds_lowcomm is not active (DS_LOWCOMM_AUTOLOAD=0)' in out.stderr
+    assert f'RuntimeError: this DeepSpeed config has a "lowcomm" section, but it {message}' in out.stderr, out.stderr[-2000:]
+
+
+def _explicit_import(rank, world):
+    import deepspeed
+
+    from ds_lowcomm_autoload import inactive_reason  # the hook left DeepSpeed unpatched ...
+
+    engine = workers.build_engine(workers.config("zero1"))  # ... until `import ds_lowcomm`
+    x = workers.batch(0, 0, rank)
+    engine.backward(engine(x, labels=x).loss)
+    engine.step()
+    return inactive_reason, type(engine).__name__, deepspeed.initialize.__code__.co_filename
+
+
+def test_explicit_import_activates_when_the_hook_is_off():
+    (reason, engine, source), = run_ranks(_explicit_import, 1, env={"DS_LOWCOMM_AUTOLOAD": "0"})
+    assert reason == "DS_LOWCOMM_AUTOLOAD=0" and engine == "LowCommEngine" and source.endswith(OURS)

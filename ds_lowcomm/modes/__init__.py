@@ -55,6 +55,10 @@ class Mode(abc.ABC):
     def flush(self) -> None:
         """Finish and install any round in flight, so the model holds the latest update."""
 
+    def settle(self) -> None:
+        """Make the optimizer state stable and the same step on every rank, without changing the
+        model (collective; before a checkpoint is tagged and written)."""
+
     @abc.abstractmethod
     def master_weights(self) -> torch.Tensor:
         """The full fp32 master weights, unpadded flat (collective: every rank must call it)."""

@@ -161,7 +161,7 @@ class Acco(Mode):
     def step(self) -> None:
         """Unused: ACCO's steps are driven from the backward passes (``drives_steps``)."""
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Align the ranks' rounds, then wait for the round in flight (without installing it): the
         optimizer state is then stable. Collective."""
         self._align()
@@ -173,13 +173,13 @@ class Acco(Mode):
 
         The pending round, if any, stays pending; training may go on after a flush.
         """
-        self._settle()
+        self.settle()
         self.opt.set_params(self.master_weights())
 
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
-        self._settle()
+        self.settle()
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
 
     def metrics(self) -> dict:
@@ -189,7 +189,7 @@ class Acco(Mode):
                 "micro_batches_per_round_by_rank": by_rank}
 
     def state_dict(self) -> dict:
-        self._settle()
+        self.settle()
         state = self.adamw.full_state(self.opt.checkpoint_comm)
         pending = None
         if self.ticket is not None:

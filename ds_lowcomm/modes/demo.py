@@ -211,7 +211,7 @@ class Demo(Mode):
         """Overlap: install the update in flight, so the model holds the latest parameters."""
         self._install_pending()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Wait for the round in flight (without installing it): δ and the master are then stable."""
         if self.ticket is not None:
             self.opt.worker.wait(self.ticket)
@@ -219,7 +219,7 @@ class Demo(Mode):
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
-        self._settle()
+        self.settle()
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.master)
 
     def metrics(self) -> dict:
@@ -255,7 +255,7 @@ class Demo(Mode):
     def rank_state_dict(self) -> dict:
         """δ; with a look-ahead in force, also this rank's model parameters (its own look-ahead
         point: the model weights DeepSpeed saves are rank 0's)."""
-        self._settle()
+        self.settle()
         state = {**rank_layout(self.opt.topology), "delta": self.delta.clone()}
         if self.ticket is not None and self.options.lookahead:
             state["lookahead_params"] = self.opt.flat.buffer.clone()
