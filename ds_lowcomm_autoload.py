@@ -86,7 +86,13 @@ def guard_engine(engine_cls) -> None:
 def activate(deepspeed) -> None:
     """Called once DeepSpeed's ``__init__`` has run: guard its engine, then load ds_lowcomm."""
     global inactive_reason
-    guard_engine(deepspeed.runtime.engine.DeepSpeedEngine)
+    try:
+        guard_engine(deepspeed.runtime.engine.DeepSpeedEngine)
+    except Exception as err:  # never break `import deepspeed` (a DeepSpeed whose engine moved)
+        import warnings
+
+        warnings.warn(f"ds_lowcomm: could not install the DeepSpeedEngine check ({err!r}); a "
+                      f"\"lowcomm\" config reaching a stock engine would not be refused")
     if not enabled():
         inactive_reason = f"{ENV}={os.environ.get(ENV)}"
         return

@@ -137,8 +137,11 @@ def _saved_counts(path: Path) -> dict:
     """Step counts a checkpoint file records, read with torch.load alone."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     counts = {"global_steps": state["global_steps"], "adamw_steps": state["optimizer"]["step"]}
-    if isinstance(state.get("lr_scheduler"), dict) and "last_epoch" in state["lr_scheduler"]:
-        counts["lr_schedule_steps"] = state["lr_scheduler"]["last_epoch"]
+    schedule = state.get("lr_scheduler") or {}  # where DeepSpeed steps it (not accelerate's own)
+    if "last_epoch" in schedule:  # torch's LambdaLR: the Trainer's schedule
+        counts["lr_schedule_steps"] = schedule["last_epoch"]
+    elif "last_batch_iteration" in schedule:  # DeepSpeed's own schedulers count from -1
+        counts["lr_schedule_steps"] = schedule["last_batch_iteration"] + 1
     return counts
 
 
@@ -168,6 +171,7 @@ def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
     for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
         counts = _saved_counts(_checkpoint(out, kind, step))
         assert set(counts.values()) == {step}, (step, counts)
+        assert ("lr_schedule_steps" in counts) == (kind != "accelerate"), counts
 
     for f in out.glob("result_rank*.json"):
         f.unlink()
