@@ -1,5 +1,7 @@
 """Bad configurations fail before training with one line naming the key."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +89,7 @@ BAD = [
     (_set(("amp",), {"enabled": True}), "amp.enabled", "bf16"),
     (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
     (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
+    (_set(("hybrid_engine",), {"enabled": True}), "hybrid_engine.enabled", "not supported"),
 ]
 
 
@@ -106,6 +109,26 @@ def test_good_config_defaults():
                                 collective_timeout_s=300.0, mode_options=cfg.mode_options)
     assert parse(variant(_set(("lowcomm", "collective_timeout_s"), 5))).collective_timeout_s == 5.0
     assert parse(variant(_set(("lowcomm", "comm_dtype"), "bf16"))).comm_dtype == "bf16"
+
+
+@pytest.mark.parametrize("mode", ["zero1", "acco", "demo", "desloc"])
+def test_trainer_configs_match_the_deepspeed_ones(mode):
+    """ds_configs/hf/<mode>.json: the shipped mode's "lowcomm" section (acco without
+    accumulate_while_waiting, see README), and only "auto" where a script's arguments decide."""
+    root = Path(__file__).resolve().parents[1] / "ds_configs"
+    hf = json.loads((root / "hf" / f"{mode}.json").read_text())
+    plain = json.loads((root / ("zero1.json" if mode == "zero1" else f"{mode}_zero1.json")).read_text())
+    expected = copy.deepcopy(plain["lowcomm"])
+    if mode == "acco":
+        expected["acco"]["accumulate_while_waiting"] = False
+    assert hf["lowcomm"] == expected
+    assert "optimizer" not in hf and "scheduler" not in hf
+    autos = {k for k, v in hf.items() if v == "auto"}
+    assert autos == {"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                     "gradient_clipping"} and hf["bf16"] == {"enabled": "auto"}
+    filled = {**hf, "train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "gradient_accumulation_steps": 2,
+              "gradient_clipping": 1.0, "bf16": {"enabled": False}}  # as the Trainer fills them
+    assert parse(filled).mode == mode
 
 
 def test_initialize_rejects_before_touching_distributed():
