@@ -125,23 +125,18 @@ def _nprocs(kind: str) -> int:
     return 1 if kind == "accelerate" else 2
 
 
-def _checkpoint(out: Path, kind: str, step: int) -> Path:
-    """Where the script's own checkpointing put DeepSpeed's model-states file for ``step``."""
-    tag = {"trainer": Path(f"checkpoint-{step}") / f"global_step{step}",
-           "accelerate": Path(f"step_{step}") / "pytorch_model",
-           "deepspeed": Path(f"global_step{step}")}[kind]
-    return out / tag / "mp_rank_00_model_states.pt"
-
-
-def _saved_counts(path: Path) -> dict:
-    """Step counts a checkpoint file records, read with torch.load alone."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+def _saved_counts(out: Path, kind: str, step: int) -> dict:
+    """Step counts the script's checkpoint for ``step`` records, read with torch.load alone:
+    DeepSpeed's model-states file, and the LR schedule wherever the script keeps it."""
+    ckpt = {"trainer": out / f"checkpoint-{step}", "accelerate": out / f"step_{step}", "deepspeed": out}[kind]
+    tag = {"trainer": f"global_step{step}", "accelerate": "pytorch_model", "deepspeed": f"global_step{step}"}[kind]
+    state = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
     counts = {"global_steps": state["global_steps"], "adamw_steps": state["optimizer"]["step"]}
-    schedule = state.get("lr_scheduler") or {}  # where DeepSpeed steps it (not accelerate's own)
-    if "last_epoch" in schedule:  # torch's LambdaLR: the Trainer's schedule
-        counts["lr_schedule_steps"] = schedule["last_epoch"]
-    elif "last_batch_iteration" in schedule:  # DeepSpeed's own schedulers count from -1
-        counts["lr_schedule_steps"] = schedule["last_batch_iteration"] + 1
+    if kind == "deepspeed":  # the JSON's scheduler, stepped by DeepSpeed, counts from -1
+        counts["lr_schedule_steps"] = state["lr_scheduler"]["last_batch_iteration"] + 1
+    else:  # the script's own torch scheduler, saved beside DeepSpeed's files
+        saved = torch.load(ckpt / ("scheduler.pt" if kind == "trainer" else "scheduler.bin"), weights_only=True)
+        counts["lr_schedule_steps"] = saved["last_epoch"]
     return counts
 
 
@@ -169,9 +164,8 @@ def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
         assert monitor.is_file(), sorted(p.name for p in out.rglob("*.csv"))
     # Every checkpoint's tag, DeepSpeed's step, the AdamW updates and the LR schedule agree.
     for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
-        counts = _saved_counts(_checkpoint(out, kind, step))
+        counts = _saved_counts(out, kind, step)
         assert set(counts.values()) == {step}, (step, counts)
-        assert ("lr_schedule_steps" in counts) == (kind != "accelerate"), counts
 
     for f in out.glob("result_rank*.json"):
         f.unlink()
@@ -181,7 +175,7 @@ def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
         assert r["engine"] == "LowCommEngine"
         assert r["engine_global_steps"] == STEPS
     # Resumed at RESUME_AT, the run applied exactly the STEPS - RESUME_AT updates left.
-    assert set(_saved_counts(_checkpoint(out, kind, STEPS)).values()) == {STEPS}
+    assert set(_saved_counts(out, kind, STEPS).values()) == {STEPS}
     if kind == "trainer":
         logs = [e for e in _results(out, n)[0]["log"] if "loss" in e]
         assert [e["step"] for e in logs] == list(range(1, STEPS + 1))  # the first 20 from the checkpoint
