@@ -66,6 +66,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                  asynchronous=mode_cls.is_asynchronous(config.mode_options))
         self.micro_batches = 0
         self.steps = 0
+        #: ``steps`` when this process started counting bytes (a resume restores ``steps``)
+        self.steps_at_start = 0
         #: called after each optimizer step is taken (the engine's hook)
         self.on_step_taken: Optional[Callable[[], None]] = None
         self.mode = mode_cls(self, config.mode_options)
@@ -129,7 +131,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def comm_stats(self) -> dict:
         """Bytes and times since the start: per collective, per round, and averages per step."""
         out = self.stats.as_dict()
-        steps = max(self.steps, 1)
+        steps = max(self.steps - self.steps_at_start, 1)  # the counters start with this process
         out.update(steps=self.steps, micro_batches=self.micro_batches,
                    bytes_sent_per_step=out["bytes_sent"] / steps,
                    bytes_received_per_step=out["bytes_received"] / steps,
@@ -172,6 +174,6 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                   f"{state_dict['mode']!r} or load with load_optimizer_states=False")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
-        self.steps = state_dict["steps"]
+        self.steps = self.steps_at_start = state_dict["steps"]
         self.micro_batches = state_dict["micro_batches"]
         self.mode.load_state_dict(state_dict)

@@ -168,6 +168,7 @@ class ByteMeter:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.start = engine.global_steps  # after a resume: the counters start with this process
 
     def per_step(self):
         if hasattr(self.engine, "comm_stats"):
@@ -175,12 +176,13 @@ class ByteMeter:
             return s["bytes_sent_per_step"], s["bytes_received_per_step"], s["wait_seconds_per_step"]
         from deepspeed.comm.comm import comms_logger
 
-        if not comms_logger.enabled or not self.engine.global_steps:
+        steps = self.engine.global_steps - self.start
+        if not comms_logger.enabled or not steps:
             return None, None, None
         from ds_lowcomm.comm import deepspeed_logged_bytes
 
         sent, recv = deepspeed_logged_bytes(comms_logger.comms_dict, torch.distributed.get_world_size())
-        return sent / self.engine.global_steps, recv / self.engine.global_steps, None
+        return sent / steps, recv / steps, None
 
     def micro_batches_per_round(self):
         """This rank's recent average (acco): fewer on a slow rank, more on a fast one."""

@@ -27,8 +27,11 @@ def _straight_vs_resumed(rank, world, save_dir, bf16):
     _, client = second.load_checkpoint(save_dir)
     d_resumed = []
     l_second = workers.train(second, N, start=client["step"], rank=rank, digests=d_resumed)
+    per_step = ("bytes_sent_per_step", "bytes_received_per_step")
     return dict(straight=l_straight, resumed=l_first + l_second, d_straight=d_straight[N:],
-                d_resumed=d_resumed, master=master, names=names)
+                d_resumed=d_resumed, master=master, names=names,
+                metrics=[{k: e.comm_stats()[k] for k in per_step} for e in (straight, second)],
+                monitored_steps=second.comm_stats()["steps"])
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -37,6 +40,11 @@ def test_resume_is_bit_identical(tmp_path, bf16):
     for r in (r0, r1):
         assert r["resumed"] == r["straight"]          # exact, not approximately
         assert r["d_resumed"] == r["d_straight"]
+        # Per-step metrics of the resumed process equal the uninterrupted run's (zero1 sends the
+        # same every step), though it counted only the steps since the resume.
+        straight, resumed = r["metrics"]
+        assert resumed == straight and straight["bytes_sent_per_step"] > 0
+        assert r["monitored_steps"] == 2 * N
     assert r0["d_resumed"] == r1["d_resumed"]
     if bf16:
         return
