@@ -142,6 +142,33 @@ ADAM_TYPES = ("adam", "adamw", "lowcommadamw")
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "fused", "foreach")
 
 
+def _real(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a real number (or a one-element tensor), else None."""
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
+
+
+def check_adamw_hyperparameters(params: Mapping[str, Any], where: str) -> None:
+    """The checks ``torch.optim.AdamW`` makes at construction, which the shard AdamW (torch's
+    kernel called directly) would skip: ``lr``, ``eps``, ``weight_decay`` >= 0, ``betas`` two
+    numbers in [0, 1). ``where`` names the place in the message (``optimizer.params``, or a
+    client optimizer's ``param_groups[i]``). Raises :class:`LowCommConfigError`."""
+    for key in ("lr", "eps", "weight_decay"):
+        if key in params and (_real(params[key]) is None or _real(params[key]) < 0):
+            raise LowCommConfigError(f"{where}.{key}: got {params[key]!r}; must be a number >= 0")
+    if "betas" in params:
+        betas = params["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise LowCommConfigError(f"{where}.betas: got {betas!r}; must be two numbers [beta1, beta2], "
+                                     f"e.g. [0.9, 0.95]")
+        for i, beta in enumerate(betas):
+            if _real(beta) is None or not 0.0 <= _real(beta) < 1.0:
+                raise LowCommConfigError(f"{where}.betas[{i}]: got {beta!r}; must be a number in [0, 1)")
+
+
 def _enabled(section: Any) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
@@ -193,9 +220,7 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         if params.get("adam_w_mode", True) is False:
             raise LowCommConfigError("optimizer.params.adam_w_mode: false (L2-coupled Adam) is not "
                                      "supported; ds_lowcomm uses decoupled weight decay (AdamW)")
-        lr = params.get("lr", 1e-3)
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
-            raise LowCommConfigError(f"optimizer.params.lr: got {lr!r}; must be a number >= 0")
+        check_adamw_hyperparameters(params, "optimizer.params")
 
 
 def parse(ds: Mapping[str, Any]) -> LowCommConfig:

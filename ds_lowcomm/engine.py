@@ -15,7 +15,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ds_lowcomm.checkpoint import MODEL_FILE, CheckpointError, check_same_model, resolve_tag
-from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError
+from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError, check_adamw_hyperparameters
 from ds_lowcomm.optimizer import LowCommOptimizer
 
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
@@ -63,7 +63,10 @@ def _param_groups(engine: DeepSpeedEngine, client_optimizer, model_parameters) -
             groups = [{**hyper, **g} for g in model_parameters]
         else:
             groups = [{**hyper, "params": model_parameters}]
-    for g in groups:
+    for i, g in enumerate(groups):
+        # A client optimizer's groups may have been edited after torch checked them.
+        where = f"the client optimizer's param_groups[{i}]" if client_optimizer is not None else "optimizer.params"
+        check_adamw_hyperparameters(g, where)
         g["params"] = [p for p in g["params"] if p.requires_grad]
     return [g for g in groups if g["params"]]
 

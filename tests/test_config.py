@@ -84,6 +84,15 @@ BAD = [
     (_set(("optimizer", "params", "momentum"), 0.9), "optimizer.params.momentum", "unknown key"),
     (_set(("optimizer", "params", "adam_w_mode"), False), "optimizer.params.adam_w_mode", "decoupled"),
     (_set(("optimizer", "params", "lr"), -1.0), "optimizer.params.lr", ">= 0"),
+    (_set(("optimizer", "params", "lr"), "1e-3"), "optimizer.params.lr", ">= 0"),
+    (_set(("optimizer", "params", "betas"), [0.9, 1.5]), "optimizer.params.betas[1]", "in [0, 1)"),
+    (_set(("optimizer", "params", "betas"), [-0.1, 0.95]), "optimizer.params.betas[0]", "in [0, 1)"),
+    (_set(("optimizer", "params", "betas"), [0.9]), "optimizer.params.betas", "two numbers"),
+    (_set(("optimizer", "params", "betas"), "0.9,0.95"), "optimizer.params.betas", "two numbers"),
+    (_set(("optimizer", "params", "eps"), -1), "optimizer.params.eps", ">= 0"),
+    (_set(("optimizer", "params", "eps"), float("nan")), "optimizer.params.eps", ">= 0"),
+    (_set(("optimizer", "params", "weight_decay"), "0.1"), "optimizer.params.weight_decay", ">= 0"),
+    (_set(("optimizer", "params", "weight_decay"), -0.1), "optimizer.params.weight_decay", ">= 0"),
     (_set(("data_types",), {"grad_accum_dtype": "bf16"}), "data_types.grad_accum_dtype", "fp32"),
     (_set(("communication_data_type",), "fp16"), "communication_data_type", "allowed"),
     (_set(("amp",), {"enabled": True}), "amp.enabled", "bf16"),
@@ -164,3 +173,29 @@ def test_world_size_errors_on_every_rank(lowcomm, message):
 
     for err in run_ranks(_init_error, 2, lowcomm, timeout=120):
         assert err is not None and err.startswith(message), err
+
+
+def _client_optimizer_error(rank, world):
+    import deepspeed
+    import torch
+
+    import ds_lowcomm
+
+    ds_lowcomm.skip_shm_comm_build()
+    model = workers.tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.param_groups[0]["betas"] = (0.9, 1.5)  # edited after torch checked it
+    cfg = config("zero1")
+    del cfg["optimizer"]
+    try:
+        deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    except LowCommConfigError as err:
+        return str(err)
+    return None
+
+
+def test_client_optimizer_gets_the_same_checks():
+    from dist import run_ranks
+
+    (err,) = run_ranks(_client_optimizer_error, 1, timeout=120)
+    assert err == "the client optimizer's param_groups[0].betas[1]: got 1.5; must be a number in [0, 1)", err
