@@ -178,6 +178,10 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
 
     Called on the user's JSON before DeepSpeed sees it. Raises :class:`LowCommConfigError`.
     """
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        value = ds.get(key, 1)
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise LowCommConfigError(f"{key}: got {value!r}; must be an integer >= 1")
     if _enabled(ds.get("fp16")):
         raise LowCommConfigError(
             "fp16.enabled: fp16 needs dynamic loss scaling, which skips steps after the fact; a "

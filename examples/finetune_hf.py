@@ -116,23 +116,40 @@ def parse_slow(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: expected RANK:FACTOR[,RANK:FACTOR], e.g. 1:3")
 
 
-def main() -> None:
+def number(kind, lo):
+    """argparse type: an int or float >= ``lo``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {'an integer' if kind is int else 'a number'}") from None
+        if not value >= lo:
+            raise argparse.ArgumentTypeError(f"got {value}; must be >= {lo}")
+        return value
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deepspeed", required=True,
                     help="DeepSpeed JSON with a \"lowcomm\" section and \"auto\" values (ds_configs/hf/)")
     ap.add_argument("--model", default=None, help="NAME_OR_PATH of a causal LM; default: small GPT-2 from config")
     ap.add_argument("--data", default=None, help=".jsonl instructions/documents or a text file")
     ap.add_argument("--output-dir", default="runs/finetune_hf")
-    ap.add_argument("--max-steps", type=int, default=60, help="optimizer steps (warmup: a tenth, then cosine)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per rank and micro-batch")
-    ap.add_argument("--gas", type=int, default=4, help="gradient accumulation steps")
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
+    ap.add_argument("--max-steps", type=number(int, 1), default=60, help="optimizer steps (warmup: a tenth, then cosine)")
+    ap.add_argument("--micro-batch", type=number(int, 1), default=8, help="sequences per rank and micro-batch")
+    ap.add_argument("--gas", type=number(int, 1), default=4, help="gradient accumulation steps")
+    ap.add_argument("--block-size", type=number(int, 1), default=128)
+    ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
+    ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     ap.add_argument("--slow-ranks", type=parse_slow, default={}, metavar="RANK:FACTOR[,...]")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     rank = int(os.environ.get("RANK", 0))
     transformers.set_seed(args.seed)

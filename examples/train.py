@@ -46,7 +46,10 @@ def read_corpus(path: str | None) -> tuple[str, str]:
         return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), str(p)
     if not p.is_file():
         sys.exit(f"error: --data {path}: no such file or directory")
-    return p.read_text(encoding="utf-8", errors="replace"), str(p)
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        sys.exit(f"error: --data {path}: the file is empty")
+    return text, str(p)
 
 
 class Tokenizer:
@@ -91,6 +94,30 @@ def parse_slow_ranks(text: str) -> dict:
     return out
 
 
+def at_least(lo: int):
+    """argparse type: an integer >= ``lo``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"got {value}; must be >= {lo}")
+        return value
+    return parse
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"got {value:g}; must be between 0 and 1 (exclusive)")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # `--deepspeed PATH` (what users type, as with the HF Trainer) and DeepSpeed's own
@@ -102,19 +129,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=argparse.SUPPRESS)
     ap.add_argument("--data", default=None, help="text file or directory (default: built-in Python docs)")
     ap.add_argument("--tokenizer", choices=["byte", "char"], default="byte")
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--n-layer", type=at_least(1), default=4)
+    ap.add_argument("--n-head", type=at_least(1), default=4)
+    ap.add_argument("--n-embd", type=at_least(1), default=128)
+    ap.add_argument("--block-size", type=at_least(1), default=128)
     ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
-    ap.add_argument("--eval-every", type=int, default=50, help="steps between validation runs (0: end only)")
-    ap.add_argument("--eval-iters", type=int, default=10, help="micro-batches per rank per validation")
-    ap.add_argument("--val-fraction", type=float, default=0.1, help="tail of the corpus held out")
-    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--max-steps", type=at_least(1), default=200, help="optimizer steps")
+    ap.add_argument("--eval-every", type=at_least(0), default=50, help="steps between validation runs (0: end only)")
+    ap.add_argument("--eval-iters", type=at_least(1), default=10, help="micro-batches per rank per validation")
+    ap.add_argument("--val-fraction", type=fraction, default=0.1, help="tail of the corpus held out")
+    ap.add_argument("--log-every", type=at_least(1), default=10)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--save-dir", default=None, help="checkpoint directory")
-    ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: end only)")
+    ap.add_argument("--save-every", type=at_least(0), default=0, help="steps between checkpoints (0: end only)")
     ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
     ap.add_argument("--log-json", default=None, metavar="FILE",
                     help="rank 0 appends one JSON record per logged step (for plots)")
@@ -130,6 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("a DeepSpeed config is required: --deepspeed ds_configs/zero1.json")
     if args.resume and not args.save_dir:
         ap.error("--resume needs --save-dir")
+    if args.n_embd % args.n_head:
+        ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout: got {args.dropout:g}; must be in [0, 1)")
     return args
 
 
@@ -210,8 +241,12 @@ def main(argv=None) -> dict:
     tokens = tok.encode(text)
     n_val = int(len(tokens) * args.val_fraction)
     train_tokens, val_tokens = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
-    if len(val_tokens) <= args.block_size + 1 or len(train_tokens) <= args.block_size + 1:
-        sys.exit(f"error: the corpus ({len(tokens)} tokens) is too small for --block-size {args.block_size}")
+    for part, n, fix in (("training", len(train_tokens), "lower --val-fraction"),
+                         ("validation", len(val_tokens), "raise --val-fraction")):
+        if n <= args.block_size + 1:
+            sys.exit(f"error: the {part} part of the corpus has {n} tokens, too few for --block-size "
+                     f"{args.block_size} (needs more than {args.block_size + 1}): {fix}, lower "
+                     f"--block-size, or give more --data")
 
     model = build_model(args, tok.vocab_size)
     try:
@@ -219,6 +254,8 @@ def main(argv=None) -> dict:
                                                config=args.deepspeed)
     except ds_lowcomm.LowCommConfigError as err:
         sys.exit(f"error: {args.deepspeed}: {err}")
+    except AssertionError as err:  # DeepSpeed checks its own config with asserts
+        sys.exit(f"error: {args.deepspeed}: DeepSpeed refused the config: {err}")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else "deepspeed"
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -239,6 +276,9 @@ def main(argv=None) -> dict:
         if client is None:  # stock DeepSpeed only warns when there is no checkpoint
             sys.exit(f"error: --resume: no checkpoint found in {args.save_dir}")
         start = engine.global_steps
+        if start >= args.max_steps:
+            sys.exit(f"error: --resume: the checkpoint in {args.save_dir} is at step {start}, not before "
+                     f"--max-steps {args.max_steps}; raise --max-steps to train further")
         say(f"resumed from {args.save_dir} at step {start}", flush=True)
 
     meter = ByteMeter(engine)

@@ -99,6 +99,9 @@ BAD = [
     (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
     (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
     (_set(("hybrid_engine",), {"enabled": True}), "hybrid_engine.enabled", "not supported"),
+    (_set(("gradient_accumulation_steps",), 0), "gradient_accumulation_steps", "integer >= 1"),
+    (_set(("train_micro_batch_size_per_gpu",), 2.5), "train_micro_batch_size_per_gpu", "integer >= 1"),
+    (_set(("train_batch_size",), "16"), "train_batch_size", "integer >= 1"),
 ]
 
 
