@@ -15,9 +15,10 @@ so whenever DeepSpeed's ``__init__`` has run (``import deepspeed``, ``from deeps
 
 The finder is never used up: ``importlib.util.find_spec("deepspeed")`` (transformers' and
 accelerate's ``is_deepspeed_available``) gets the wrapped spec too, and the real import later goes
-through the finder again. Standard library only, and nothing imported at start-up beyond ``os``
-and ``sys``: this runs in every interpreter of the environment.
+through the finder again. Standard library only, and nothing imported at start-up beyond ``os``,
+``sys`` and the built-in ``_thread``: this runs in every interpreter of the environment.
 """
+import _thread  # built in: threading.local without importing threading at start-up
 import os
 import sys
 
@@ -97,7 +98,9 @@ def activate(deepspeed) -> None:
         inactive_reason = f"{ENV}={os.environ.get(ENV)}"
         return
     try:
-        import ds_lowcomm  # noqa: F401  (its import patches deepspeed.initialize)
+        import ds_lowcomm  # its first import patches deepspeed.initialize
+
+        ds_lowcomm.install()  # again, for an importlib.reload(deepspeed)
     except Exception as err:  # never break `import deepspeed` for scripts that do not use us
         inactive_reason = f"importing ds_lowcomm failed: {err!r}"
     else:
@@ -118,25 +121,34 @@ class _Loader:
         activate(module)
 
     def __getattr__(self, name):  # get_source, get_resource_reader, is_package, ...
+        if name == "loader":  # not set yet (a copy, an unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
 class DeepSpeedImportHook:
     """Meta-path finder for ``deepspeed``: the spec the other finders give, with a wrapped loader."""
 
+    def __init__(self) -> None:
+        self.local = _thread._local()  # .searching: asking the others (one of them may ask back)
+
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
+        if name != "deepspeed" or getattr(self.local, "searching", False):
             return None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and not isinstance(spec.loader, _Loader):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
+        self.local.searching = True
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None and not isinstance(spec.loader, _Loader):
+                        spec.loader = _Loader(spec.loader)
+                    return spec
+            return None
+        finally:
+            self.local.searching = False
 
 
 def install_hook() -> None:

@@ -108,4 +108,5 @@ class ShardedStepRound(Round):
         comm.all_gather(self.target, out)
 
     def install(self) -> None:
-        self.opt._global_grad_norm = self.grad_norm
+        if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's
+            self.opt._global_grad_norm = self.grad_norm
