@@ -207,6 +207,10 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         raise LowCommConfigError(f"communication_data_type: got {comm!r}; allowed: \"fp32\", \"bf16\"")
     if ds.get("managed_gradient_accumulation", True) is False:
         raise LowCommConfigError("managed_gradient_accumulation: false is not supported; remove it")
+    op = ds.get("gradient_allreduce_op", "mean")
+    if str(op).lower() != "mean":
+        raise LowCommConfigError(f"gradient_allreduce_op: got {op!r}; ds_lowcomm averages gradients over "
+                                 "ranks (\"mean\", DeepSpeed's default): remove the key")
     if _enabled(ds.get("hybrid_engine")):
         raise LowCommConfigError("hybrid_engine.enabled: DeepSpeed's hybrid (RLHF) engine is not "
                                  "supported; remove it or the \"lowcomm\" section")

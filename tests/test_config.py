@@ -100,6 +100,7 @@ BAD = [
     (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
     (_set(("hybrid_engine",), {"enabled": True}), "hybrid_engine.enabled", "not supported"),
     (_set(("gradient_accumulation_steps",), 0), "gradient_accumulation_steps", "integer >= 1"),
+    (_set(("gradient_allreduce_op",), "sum"), "gradient_allreduce_op", "remove the key"),
     (_set(("train_micro_batch_size_per_gpu",), 2.5), "train_micro_batch_size_per_gpu", "integer >= 1"),
     (_set(("train_batch_size",), "16"), "train_batch_size", "integer >= 1"),
 ]
@@ -202,3 +203,20 @@ def test_client_optimizer_gets_the_same_checks():
 
     (err,) = run_ranks(_client_optimizer_error, 1, timeout=120)
     assert err == "the client optimizer's param_groups[0].betas[1]: got 1.5; must be a number in [0, 1)", err
+
+
+def _clipping(rank, world):
+    cfg = config("zero1")
+    del cfg["gradient_clipping"]
+    return workers.build_engine(cfg).optimizer.gradient_clipping
+
+
+def test_gradient_clipping_follows_deepspeeds_default():
+    """A JSON without "gradient_clipping" clips as stock DeepSpeed would (its default is 1.0
+    since 0.19.3, no longer 0)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from dist import run_ranks
+
+    (clip,) = run_ranks(_clipping, 1, timeout=120)
+    assert clip == GRADIENT_CLIPPING_DEFAULT
