@@ -137,7 +137,14 @@ class LowCommEngine(DeepSpeedEngine):
 
     def backward(self, loss, *args, **kwargs):
         out = super().backward(loss, *args, **kwargs)
-        self.optimizer.on_micro_batch_end(self.is_gradient_accumulation_boundary())
+        if self._drives_steps():
+            # Only a boundary the loop set itself (accelerate and the Trainer, through
+            # set_gradient_accumulation_boundary, before every backward): DeepSpeed's own count
+            # (micro_steps, not restored by load_checkpoint in 0.19.8) says nothing about acco's.
+            boundary = self._is_gradient_accumulation_boundary is True
+        else:
+            boundary = self.is_gradient_accumulation_boundary()
+        self.optimizer.on_micro_batch_end(boundary)
         return out
 
     def comm_stats(self) -> dict:

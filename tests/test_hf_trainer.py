@@ -32,15 +32,19 @@ def trainer_config(mode, optimizer=True, scheduler=True, **lowcomm):
 class Batches(torch.utils.data.Dataset):
     """Deterministic byte-level samples; the same index gives the same sample on every rank."""
 
+    def __init__(self, n=4096):
+        self.n = n
+
     def __len__(self):
-        return 4096
+        return self.n
 
     def __getitem__(self, i):
         x = workers.batch(i, 0, 0, mbs=1)[0]
         return {"input_ids": x, "labels": x.clone()}
 
 
-def _trainer(rank, world, cfg, out_dir, steps, save_steps=None, resume=None, stop_after=None, slow_rank=None):
+def _trainer(rank, world, cfg, out_dir, steps, save_steps=None, resume=None, stop_after=None, slow_rank=None,
+             samples=4096):
     import time
 
     import transformers
@@ -78,12 +82,13 @@ def _trainer(rank, world, cfg, out_dir, steps, save_steps=None, resume=None, sto
         logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         report_to=[], use_cpu=True, deepspeed=cfg, seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(), data_collator=collate,
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(samples), data_collator=collate,
                                    callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=resume)
     engine = trainer.model_wrapped
     trainer.save_model(f"{out_dir}/final")
     return dict(engine=type(engine).__name__, optimizer=type(engine.optimizer).__name__,
+                global_steps=engine.global_steps,
                 losses=losses, batches=batches[:len(losses)],  # the loader prefetches one more
                 lrs=lrs, log=trainer.state.log_history,
                 weight_decays=[g["weight_decay"] for g in engine.optimizer.param_groups],
@@ -187,3 +192,18 @@ def test_trainer_checkpoints_agree_when_acco_ranks_drift(tmp_path):
         assert len(tags) == 1, (step, tags)
         files = sorted(p.name for p in (tmp_path / f"checkpoint-{step}" / tags[0]).iterdir())
         assert "lowcomm_rank00000.pt" in files and "lowcomm_rank00001.pt" in files, files
+
+
+def test_trainer_steps_agree_across_a_short_epoch_end(tmp_path):
+    """20 samples, 2 ranks x 2 per micro-batch, accumulation 2: each epoch is 5 micro-batches per
+    rank, so the Trainer's third step of every epoch has 1. acco takes that step there, so the
+    Trainer's steps, DeepSpeed's and the checkpoint tags stay equal over the epochs."""
+    steps = 6
+    cfg = trainer_config("acco", acco={"accumulate_while_waiting": False})  # as ds_configs/hf/acco.json
+    r0 = run_ranks(_trainer, 2, cfg, str(tmp_path), steps, 3, None, None, None, 20,
+                   timeout=600)[0]
+    assert [e["epoch"] for e in r0["log"] if "loss" in e][-1] == 2.0
+    for step in (3, 6):
+        tags = sorted(p.name for p in (tmp_path / f"checkpoint-{step}").glob("global_step*"))
+        assert tags == [f"global_step{step}"], (step, tags)
+    assert r0["global_steps"] == steps

@@ -10,9 +10,12 @@ gradient computation on the training thread::
 
 At every switch (a rank has computed GAS/2 micro-batches since the last one and the round in
 flight is done): install the round's all-gathered result as the model's parameters, hand the
-accumulator (and its micro-batch count) to the next round, and zero the accumulator only if the
-finished round was an estimate. A real round therefore gets both halves, an estimate round only
-the first; zeroing after a real round instead would degrade ACCO to DPU.
+accumulator (and its micro-batch count) to the next round, and zero the accumulator only after
+launching a real round. A real round therefore gets both halves, an estimate round only the
+first; zeroing after an estimate too would degrade ACCO to DPU. When the loop ends a step early
+(accelerate and the Trainer mark each step's last micro-batch; the Trainer's last step of an
+epoch can be short) and ``accumulate_while_waiting`` is off, the step's real round is launched
+there, without an estimate if none was launched yet, so the loop's steps and ours stay equal.
 
 ``accumulate_while_waiting`` (default): a rank whose round is still in flight at a switch keeps
 computing micro-batches instead of waiting; the counts are all-reduced in the round and the sum is
@@ -96,18 +99,27 @@ class Acco(Mode):
     # -- schedule ---------------------------------------------------------------------------------
 
     def on_micro_batch_end(self, boundary: bool) -> None:
+        """``boundary``: the loop said this micro-batch ends its step (accelerate and the Trainer
+        say so before every backward); a DeepSpeed loop that calls ``engine.step()`` every
+        micro-batch says nothing, and acco keeps its own count."""
         self.since_switch += 1
-        if self.since_switch < self.per_round:
-            return
-        if (self.ticket is not None and self.options.accumulate_while_waiting
-                and not self.opt.worker.poll(self.ticket)):
-            return  # still in flight: compute another micro-batch instead of waiting
-        self._switch()
+        if self.since_switch >= self.per_round and not (
+                self.ticket is not None and self.options.accumulate_while_waiting
+                and not self.opt.worker.poll(self.ticket)):  # else: compute another micro-batch
+            self._switch()
+        step_open = self.since_switch or (self.ticket is not None and self.ticket.round.estimate)
+        if boundary and step_open and not self.options.accumulate_while_waiting:
+            # The loop's step ended early (the Trainer's shorter last step of an epoch): take the
+            # step now, so the loop's step count and ours stay equal; if its estimate round was
+            # not launched yet, the step gets only its real round.
+            self.next_estimate = False
+            self._switch()
 
     def _switch(self) -> None:
         """Install the finished round (if any) and launch the next one."""
-        finished_estimate = self._install() if self.ticket is not None else None
-        self._launch(zero_after=not self.two_rounds or bool(finished_estimate))
+        if self.ticket is not None:
+            self._install()
+        self._launch()
 
     def _align(self) -> None:
         """Make every rank have launched the same rounds (collective, training thread).
@@ -126,8 +138,8 @@ class Acco(Mode):
         if behind == 1:
             self._switch()
 
-    def _install(self) -> bool:
-        """Make the finished round's result the model's parameters; returns whether it was an estimate."""
+    def _install(self) -> None:
+        """Make the finished round's result the model's parameters."""
         self.opt.worker.wait(self.ticket)
         rnd = self.ticket.round
         self.ticket = None
@@ -135,13 +147,15 @@ class Acco(Mode):
         rnd.install()
         if rnd.rank_counts is not None:
             self.rank_round_counts.append(rnd.rank_counts)
-        return rnd.estimate
 
-    def _launch(self, zero_after: bool) -> None:
+    def _launch(self) -> None:
         grads = self.opt.grads
         self.send.copy_(grads.buffer)
         count = grads.micro_batches
-        if zero_after:
+        if not self.next_estimate:
+            # A real round takes the whole step's sum (both halves); the estimate before it only
+            # the first half, so the accumulator is cleared after real rounds only (clearing it
+            # after estimates too would degrade ACCO to DPU).
             grads.zero_()
         rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=count,
                                estimate=self.next_estimate)
