@@ -88,22 +88,26 @@ def test_bad_config_is_one_line_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--log-every", "0"], "argument --log-every: got 0; must be >= 1"),
-    (["--eval-iters", "0"], "argument --eval-iters: got 0; must be >= 1"),
-    (["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
-    (["--max-steps", "ten"], "argument --max-steps: 'ten': expected an integer"),
-    (["--val-fraction", "0"], "argument --val-fraction: got 0; must be between 0 and 1 (exclusive)"),
-    (["--save-every", "-1"], "argument --save-every: got -1; must be >= 0"),
-    (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
-    (["--dropout", "1"], "--dropout: got 1; must be in [0, 1)"),
+@pytest.mark.parametrize("script,argv,message", [
+    ("train", ["--log-every", "0"], "argument --log-every: got 0; must be >= 1"),
+    ("train", ["--eval-iters", "0"], "argument --eval-iters: got 0; must be >= 1"),
+    ("train", ["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
+    ("train", ["--max-steps", "ten"], "argument --max-steps: 'ten': expected an integer"),
+    ("train", ["--val-fraction", "0"], "argument --val-fraction: got 0; must be between 0 and 1 (exclusive)"),
+    ("train", ["--save-every", "-1"], "argument --save-every: got -1; must be >= 0"),
+    ("train", ["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
+    ("train", ["--dropout", "1"], "--dropout: got 1; must be in [0, 1)"),
+    ("finetune_hf", ["--gas", "0"], "argument --gas: got 0; must be >= 1"),
+    ("finetune_hf", ["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
+    ("finetune_hf", ["--lr", "-1"], "argument --lr: got -1.0; must be >= 0.0"),
+    ("finetune_hf", ["--micro-batch", "two"], "argument --micro-batch: 'two': expected an integer"),
 ])
-def test_bad_arguments_are_one_line_errors(capsys, argv, message):
+def test_bad_arguments_are_one_line_errors(capsys, script, argv, message):
     sys.path.insert(0, str(ROOT / "examples"))
-    import train
+    module = __import__(script)
 
     with pytest.raises(SystemExit) as info:
-        train.parse_args(["--deepspeed", "cfg.json", *argv])
+        module.parse_args(["--deepspeed", "cfg.json", *argv])
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
 
@@ -122,19 +126,3 @@ def test_bad_data_is_a_one_line_error(tmp_path, text, flags, message):
     with pytest.raises(SystemExit) as info:
         train.main(["--deepspeed", "cfg.json", "--data", str(data), *flags])
     assert message in str(info.value) and "\n" not in str(info.value), info.value
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--gas", "0"], "argument --gas: got 0; must be >= 1"),
-    (["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
-    (["--lr", "-1"], "argument --lr: got -1.0; must be >= 0.0"),
-    (["--micro-batch", "two"], "argument --micro-batch: 'two': expected an integer"),
-])
-def test_finetune_hf_bad_arguments_are_one_line_errors(capsys, argv, message):
-    sys.path.insert(0, str(ROOT / "examples"))
-    import finetune_hf
-
-    with pytest.raises(SystemExit) as info:
-        finetune_hf.parse_args(["--deepspeed", "cfg.json", *argv])
-    assert info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
