@@ -102,6 +102,8 @@ class Collectives:
         self.name = name
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        #: the global rank of each member, by rank in the group
+        self.ranks = dist.get_process_group_ranks(group)
         # gloo (torch 2.13) implements reduce-scatter as a full all-reduce on the wire: 2x the
         # bytes of a ring reduce-scatter (measured at the link). An all-to-all of the W shards plus
         # a local sum moves exactly (W-1)/W of the input per rank, like NCCL's reduce-scatter.

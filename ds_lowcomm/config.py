@@ -105,6 +105,9 @@ class LowCommConfig:
                                              "(a node); null = the whole world", minimum=1)
     collective_timeout_s: float = option(300.0, "seconds a collective may wait for a peer before the "
                                          "run aborts", minimum=0, exclusive_minimum=True)
+    max_consecutive_skips: int = option(10, "consecutive steps skipped for a non-finite gradient "
+                                        "(not counting fp16 overflows that lower the loss scale) "
+                                        "after which the run stops as diverged", minimum=1)
     mode_options: Any = None
 
     @staticmethod
@@ -182,10 +185,10 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         value = ds.get(key, 1)
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise LowCommConfigError(f"{key}: got {value!r}; must be an integer >= 1")
-    if _enabled(ds.get("fp16")):
-        raise LowCommConfigError(
-            "fp16.enabled: fp16 needs dynamic loss scaling, which skips steps after the fact; a "
-            "sharded/delayed update cannot be skipped. Use \"bf16\": {\"enabled\": true} or fp32")
+    fp16 = ds.get("fp16")
+    if _enabled(fp16) and fp16.get("fp16_master_weights_and_grads"):
+        raise LowCommConfigError("fp16.fp16_master_weights_and_grads: ds_lowcomm keeps fp32 master "
+                                 "weights and gradient sums; remove the key")
     if _enabled(ds.get("amp")):
         raise LowCommConfigError("amp.enabled: apex AMP is not supported; use \"bf16\": {\"enabled\": true}")
     zero = ds.get("zero_optimization")

@@ -20,7 +20,7 @@ from ds_lowcomm.optimizer import LowCommOptimizer
 
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
 MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "wait_seconds_per_step",
-             "round_seconds_per_step", "micro_batches_per_round")
+             "round_seconds_per_step", "micro_batches_per_round", "skipped_steps")
 _DROPPED_JSON_PARAMS = ("torch_adam", "adam_w_mode", "fused", "foreach")
 _ADAM_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "LowCommOptimizer")
 
@@ -31,6 +31,21 @@ def _comm_dtype(engine: DeepSpeedEngine, cfg: LowCommConfig) -> torch.dtype:
         ds = engine._config._param_dict.get("communication_data_type")
         name = {"bfp16": "bf16"}.get(ds, ds) or ("bf16" if engine.bfloat16_enabled() else "fp32")
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _loss_scaler(engine: DeepSpeedEngine):
+    """fp16: DeepSpeed's own loss scaler, built from the ``fp16`` section as its ZeRO-1 builds it
+    (``CreateLossScaler``, 0.19.8), except that an overflow at ``min_loss_scale`` does not raise:
+    our guard skips the step and ``lowcomm.max_consecutive_skips`` decides when the run has
+    diverged. None without fp16."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    if not engine.fp16_enabled():
+        return None
+    if engine.dynamic_loss_scale():
+        return DynamicLossScaler(**engine.dynamic_loss_scale_args(), raise_error_at_min_scale=False,
+                                 dtype=torch.float16)
+    return LossScaler(scale=engine.loss_scale())
 
 
 def _param_groups(engine: DeepSpeedEngine, client_optimizer, model_parameters) -> List[dict]:
@@ -93,7 +108,8 @@ class LowCommEngine(DeepSpeedEngine):
         self.optimizer = self.basic_optimizer = LowCommOptimizer(
             groups, cfg, gradient_clipping=self.gradient_clipping(),
             comm_dtype=_comm_dtype(self, cfg), param_names=names,
-            gradient_accumulation_steps=self.gradient_accumulation_steps())
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            loss_scaler=_loss_scaler(self))
         self.optimizer.on_step_taken = self._after_lowcomm_step
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
@@ -122,8 +138,11 @@ class LowCommEngine(DeepSpeedEngine):
     def _after_lowcomm_step(self) -> None:
         """Called by the optimizer when a step is taken (:meth:`LowCommOptimizer.step_taken`)."""
         if self._drives_steps():
-            # What DeepSpeed's _take_model_step does after optimizer.step() (engine.py, 0.19.8).
-            if self.lr_scheduler is not None:
+            # What DeepSpeed's _take_model_step does after optimizer.step() (engine.py, 0.19.8);
+            # ``overflow`` is the verdict of the latest step whose round has landed.
+            if self.optimizer.overflow:
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
@@ -136,7 +155,15 @@ class LowCommEngine(DeepSpeedEngine):
             self.monitor.write_events(events)
 
     def backward(self, loss, *args, **kwargs):
-        out = super().backward(loss, *args, **kwargs)
+        """DeepSpeed's ``backward``; with fp16 the loss is multiplied by the loss scale first (at
+        ZeRO stage 0 DeepSpeed 0.19.8 only scales for its own optimizers) and the returned loss
+        is unscaled again."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            scale = self.optimizer.loss_scale
+            out = super().backward(scaler.scale_loss(loss), *args, **kwargs) / scale
+        else:
+            out = super().backward(loss, *args, **kwargs)
         if self._drives_steps():
             # Only a boundary the loop set itself (accelerate and the Trainer, through
             # set_gradient_accumulation_boundary, before every backward): DeepSpeed's own count

@@ -84,7 +84,8 @@ class FlatParams:
         devices = {p.device for p in self.params}
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(f"ds_lowcomm needs every trainable parameter in one dtype on one device; "
-                             f"got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+                             f"got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))} "
+                             f"(a module kept in fp32 under bf16/fp16? freeze it or cast it with the model)")
         ranges, offset = [], 0
         self.offsets: Dict[int, int] = {}
         for g in param_groups:

@@ -15,6 +15,8 @@ rate schedulers written against them keep working.
 """
 from __future__ import annotations
 
+import logging
+import math
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -28,6 +30,12 @@ from ds_lowcomm.topology import Topology
 from ds_lowcomm.worker import CommWorker
 
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+logger = logging.getLogger("ds_lowcomm")
+
+
+class DivergedError(RuntimeError):
+    """Too many consecutive steps had a non-finite gradient: the run has diverged. The weights
+    and optimizer state are those before the first of them (every one was skipped)."""
 
 
 class LowCommOptimizer(torch.optim.Optimizer):
@@ -42,13 +50,20 @@ class LowCommOptimizer(torch.optim.Optimizer):
         gradient_accumulation_steps: micro-batches per optimizer step and rank (DeepSpeed divides
             each micro-batch's loss by it).
         param_names: for each parameter (by ``id``), every name it has in the module's state_dict.
+        loss_scaler: fp16: DeepSpeed's own loss scaler (``DynamicLossScaler`` or a static
+            ``LossScaler``), whose ``cur_scale`` the engine multiplies each loss by; None otherwise.
+
+    Every mode's round checks the reduced gradient for NaN/inf and skips the update when it is
+    non-finite (:meth:`record_step` receives the verdict). ``overflow`` and ``skipped_steps``
+    then follow DeepSpeed's meaning, so DeepSpeed counts the step as skipped and does not step
+    the learning-rate schedule, and accelerate's ``step_was_skipped`` is true.
 
     Building it is collective (it creates process groups): every rank must construct it.
     """
 
     def __init__(self, param_groups: Sequence[dict], config: LowCommConfig, *, gradient_clipping: float,
                  comm_dtype: torch.dtype, param_names: Dict[int, List[str]],
-                 gradient_accumulation_steps: int = 1) -> None:
+                 gradient_accumulation_steps: int = 1, loss_scaler=None) -> None:
         super().__init__(list(param_groups), dict(ADAMW_DEFAULTS))
         self.config = config
         self.gradient_clipping = float(gradient_clipping or 0.0)
@@ -70,11 +85,15 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.steps_at_start = 0
         #: called after each optimizer step is taken (the engine's hook)
         self.on_step_taken: Optional[Callable[[], None]] = None
-        self.mode = mode_cls(self, config.mode_options)
-        # Read by DeepSpeed's engine after step() (engine.get_global_grad_norm, HF logging) and by
-        # accelerate (``step_was_skipped``): steps are never skipped.
+        self.loss_scaler = loss_scaler
+        #: steps whose update was skipped for a non-finite gradient, and how many in a row
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        # Read by DeepSpeed's engine after step() (engine.get_global_grad_norm, HF logging, the
+        # skipped-step count) and by accelerate (``step_was_skipped``): the latest verdict.
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
+        self.mode = mode_cls(self, config.mode_options)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -100,6 +119,61 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.steps += 1
         if self.on_step_taken is not None:
             self.on_step_taken()
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the engine multiplies losses by (1.0 without fp16)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.cur_scale)
+
+    cur_scale = loss_scale  # the name DeepSpeed's engine reads (engine._get_optimizer_loss_scale)
+
+    def record_step(self, step: int, grad_norm: float, skipped: bool, nonfinite_ranks: Sequence[int] = ()) -> None:
+        """The verdict of optimizer step ``step`` (1-based), when its round's result is installed
+        (training thread; for acco and demo overlap one step after it was taken).
+
+        Sets what DeepSpeed and accelerate read (``overflow``, ``_global_grad_norm``: inf after a
+        skip, as DeepSpeed's ZeRO sets it), updates the fp16 loss scale (DeepSpeed's scaler rule),
+        rescales the gradients accumulated since to the new scale (a power of two: exact), and
+        counts skips. Raises :class:`DivergedError` after ``max_consecutive_skips`` skips in a row
+        that the loss scale could not answer. No communication.
+        """
+        self.overflow = skipped
+        self._global_grad_norm = float("inf") if skipped else grad_norm
+        scale_answered = False  # an fp16 overflow the dynamic loss scale reacts to
+        scaler = self.loss_scaler
+        if scaler is not None:
+            before = (scaler.cur_scale, getattr(scaler, "cur_hysteresis", None))
+            min_scale = getattr(scaler, "min_scale", None)
+            scale_answered = skipped and getattr(scaler, "dynamic", False) and scaler.cur_scale > min_scale
+            scaler.update_scale(skipped)
+            if scaler.cur_scale != before[0]:
+                self.grads.buffer.mul_(scaler.cur_scale / before[0])
+        if not skipped:
+            self.consecutive_skips = 0
+            return
+        self.skipped_steps += 1
+        if not scale_answered:
+            self.consecutive_skips += 1
+        if nonfinite_ranks:
+            source = f"norm {grad_norm}, from rank {', '.join(map(str, nonfinite_ranks))}"
+        elif math.isfinite(grad_norm):  # demo: the verdict came with another replica's payload
+            source = "from another replica"
+        else:
+            source = f"norm {grad_norm}"
+        topo = self.topology
+        if topo.shard.rank == 0:
+            replica = f" on replica {topo.rank // topo.shard_group_size}" if topo.num_replicas > 1 else ""
+            scale = f", loss scale now {self.loss_scale:g}" if scaler is not None else ""
+            logger.warning(f"ds_lowcomm: step {step} skipped{replica}: non-finite gradient ({source}); "
+                           f"weights and optimizer state unchanged{scale}")
+        limit = self.config.max_consecutive_skips
+        if self.consecutive_skips >= limit:
+            raise DivergedError(
+                f"ds_lowcomm: the run diverged: {self.consecutive_skips} consecutive steps up to step "
+                f"{step} had a non-finite gradient (last: {source}); all were skipped, so the weights "
+                f"and optimizer state are those before them (engine.save_checkpoint keeps them). "
+                f"Lower the learning rate, check the data, or raise lowcomm.max_consecutive_skips "
+                f"(now {limit})")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the accumulator, which the mode clears; ``p.grad`` is always None."""
@@ -132,7 +206,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Bytes and times since the start: per collective, per round, and averages per step."""
         out = self.stats.as_dict()
         steps = max(self.steps - self.steps_at_start, 1)  # the counters start with this process
-        out.update(steps=self.steps, micro_batches=self.micro_batches,
+        out.update(steps=self.steps, micro_batches=self.micro_batches, skipped_steps=self.skipped_steps,
+                   loss_scale=self.loss_scale,
                    bytes_sent_per_step=out["bytes_sent"] / steps,
                    bytes_received_per_step=out["bytes_received"] / steps,
                    wait_seconds_per_step=out["wait_seconds"] / steps,
@@ -142,10 +217,21 @@ class LowCommOptimizer(torch.optim.Optimizer):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def rank_state_dict(self) -> Optional[dict]:
-        """This rank's own state (a per-rank file next to DeepSpeed's), or None if the mode has none."""
-        return self.mode.rank_state_dict()
+        """This rank's own state (a per-rank file next to DeepSpeed's), or None if the mode has none.
+        It carries this rank's loss scaler and skip counts too: DES-LOC replicas skip on their own
+        verdicts, so these may differ from rank 0's."""
+        state = self.mode.rank_state_dict()
+        if state is not None:
+            state["guard"] = {"loss_scaler": self._loss_scaler_state(), "skipped_steps": self.skipped_steps,
+                              "consecutive_skips": self.consecutive_skips}
+        return state
 
     def load_rank_state_dict(self, state: dict) -> None:
+        guard = state.get("guard")
+        if guard is not None:
+            self._load_loss_scaler_state(guard["loss_scaler"])
+            self.skipped_steps = guard["skipped_steps"]
+            self.consecutive_skips = guard["consecutive_skips"]
         self.mode.load_rank_state_dict(state)
 
     def state_dict(self) -> dict:
@@ -155,7 +241,22 @@ class LowCommOptimizer(torch.optim.Optimizer):
                 "param_shapes": [list(p.shape) for p in self.flat.params],
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "steps": self.steps, "micro_batches": self.micro_batches,
+                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+                "loss_scaler": self._loss_scaler_state(),
                 **self.mode.state_dict()}
+
+    _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+    def _loss_scaler_state(self) -> Optional[dict]:
+        if self.loss_scaler is None:
+            return None
+        return {k: getattr(self.loss_scaler, k) for k in self._SCALER_FIELDS if hasattr(self.loss_scaler, k)}
+
+    def _load_loss_scaler_state(self, state: Optional[dict]) -> None:
+        if self.loss_scaler is not None and state:
+            for k, v in state.items():
+                if hasattr(self.loss_scaler, k):
+                    setattr(self.loss_scaler, k, v)
 
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True, **_) -> None:
         """Restore a :meth:`state_dict` written at any world size.
@@ -176,4 +277,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
             group.update(saved)
         self.steps = self.steps_at_start = state_dict["steps"]
         self.micro_batches = state_dict["micro_batches"]
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
+        self.consecutive_skips = state_dict.get("consecutive_skips", 0)
+        self._load_loss_scaler_state(state_dict.get("loss_scaler"))
         self.mode.load_state_dict(state_dict)

@@ -15,6 +15,7 @@ A round moves through three calls, on two threads::
 from __future__ import annotations
 
 import abc
+from typing import List
 
 
 class Round(abc.ABC):
@@ -31,3 +32,35 @@ class Round(abc.ABC):
     @abc.abstractmethod
     def install(self) -> None:
         """Training thread: apply the result to the model. Must not communicate."""
+
+
+class StepRound(Round):
+    """A round that carries an optimizer step, and so a verdict on its gradient.
+
+    ``grad_norm`` is the norm of the reduced gradient; ``skipped`` says it was non-finite and the
+    update was not applied; ``nonfinite_ranks`` names, when known, the global ranks whose own
+    gradient sums were non-finite. ``loss_scale`` and ``step_number`` are captured at pack time.
+    """
+
+    def __init__(self) -> None:
+        self.grad_norm: float = float("nan")
+        self.skipped = False
+        self.nonfinite_ranks: List[int] = []
+        self.loss_scale = 1.0
+        self.step_number = 0
+
+    def capture_step(self, loss_scale: float, steps_taken: int) -> None:
+        """At pack time: the fp16 loss scale the gradients carry, and the step this round makes."""
+        self.loss_scale = loss_scale
+        self.step_number = steps_taken + 1
+
+    def verdict(self) -> dict:
+        """What a checkpoint of a finished, not yet installed round keeps of it."""
+        return {"grad_norm": self.grad_norm, "skipped": self.skipped,
+                "nonfinite_ranks": list(self.nonfinite_ranks), "step_number": self.step_number}
+
+    def restore_verdict(self, saved: dict) -> None:
+        self.grad_norm = saved["grad_norm"]
+        self.skipped = saved.get("skipped", False)
+        self.nonfinite_ranks = list(saved.get("nonfinite_ranks", ()))
+        self.step_number = saved.get("step_number", 0)

@@ -7,6 +7,12 @@ Communication, over the shard group of W ranks, for P padded elements::
     reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
     all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
+
+The non-finite guard rides on the norm all-reduce: a NaN or inf anywhere in the reduced gradient
+makes the global norm non-finite on every rank at once, so every rank reaches the same verdict and
+skips the update, leaving master, moments and step count as they were (stock DeepSpeed's fp16
+overflow rule, applied to every dtype). Only then does one more W-element all-reduce find out
+which ranks' own sums were non-finite, for the log.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
-from ds_lowcomm.round import Round
+from ds_lowcomm.round import StepRound
 from ds_lowcomm.shard_adamw import ShardAdamW
 
 if TYPE_CHECKING:
@@ -36,6 +42,15 @@ def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
     return norm
 
 
+def nonfinite_ranks(comm, local: torch.Tensor) -> List[int]:
+    """The global ranks of ``comm`` whose own ``local`` tensor holds a NaN or inf (one W-element
+    all-reduce; collective: call it on every rank of ``comm``, e.g. after a non-finite norm)."""
+    flags = torch.zeros(comm.world, dtype=torch.float32, device=local.device)
+    flags[comm.rank] = 0.0 if bool(torch.isfinite(local).all()) else 1.0
+    comm.all_reduce(flags)
+    return [comm.ranks[i] for i, bad in enumerate(flags.tolist()) if bad]
+
+
 def clip_scale(norm: float, clip: float) -> float:
     """What clipping to ``clip`` (when positive) multiplies a gradient of L2 norm ``norm`` by."""
     if clip > 0:
@@ -46,7 +61,7 @@ def clip_scale(norm: float, clip: float) -> float:
     return 1.0
 
 
-class ShardedStepRound(Round):
+class ShardedStepRound(StepRound):
     """One sharded AdamW step from a flat gradient sum.
 
     Args:
@@ -60,26 +75,33 @@ class ShardedStepRound(Round):
             every micro-batch weighs the same whoever computed it.
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
-        after_step: called after a real update and before the all-gather (DES-LOC averages the
-            replicas' states there, so the all-gather spreads the average).
+        after_update: called in a real round after the update, or after its skip, and before the
+            all-gather (DES-LOC averages the replicas' states there, so the all-gather spreads
+            the average).
+
+    A non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
+    master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
     """
 
     def __init__(self, opt: "LowCommOptimizer", adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
                  local_count: Optional[int] = None, estimate: bool = False,
-                 after_step: Optional[Callable[[], None]] = None) -> None:
+                 after_update: Optional[Callable[[], None]] = None) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
+        super().__init__()
         self.opt, self.adamw, self.grads, self.target = opt, adamw, grads, target
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
-        self.after_step = after_step
-        self.grad_norm: float = float("nan")
+        self.after_update = after_update
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
         self.hyper: List[dict] = [{k: g[k] for k in HYPERPARAMS} for g in self.opt.param_groups]
+        # fp16: the loss scale the gradients were computed with (the optimizer rescales what is
+        # accumulated when the scale changes, so one value holds for the whole sum).
+        self.capture_step(self.opt.loss_scale, self.opt.steps)
 
     def run(self) -> None:
         comm, layout = self.opt.topology.shard, self.opt.flat.layout
@@ -95,18 +117,23 @@ class ShardedStepRound(Round):
         recv = send.new_empty(layout.shard_size)
         comm.reduce_scatter(recv, send)
         grad = recv.float() if recv.dtype != torch.float32 else recv
-        grad.mul_(scale)
+        grad.mul_(scale / self.loss_scale)
         self.grad_norm = clip_by_global_norm(comm, grad, self.opt.gradient_clipping)
+        self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank
+        if self.skipped:
+            self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
         out = self.adamw.master.to(self.target.dtype, copy=True)
         if self.estimate:
-            self.adamw.estimate(grad, self.hyper, out)
+            if not self.skipped:
+                self.adamw.estimate(grad, self.hyper, out)
         else:
-            self.adamw.step(grad, self.hyper)
-            if self.after_step is not None:
-                self.after_step()
+            if not self.skipped:
+                self.adamw.step(grad, self.hyper)
+            if self.after_update is not None:
+                self.after_update()
             out.copy_(self.adamw.master)
         comm.all_gather(self.target, out)
 
     def install(self) -> None:
         if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's
-            self.opt._global_grad_norm = self.grad_norm
+            self.opt.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)

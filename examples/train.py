@@ -316,6 +316,7 @@ def main(argv=None) -> dict:
             extra += f" | comm wait {wait * 1e3:.1f} ms/step" if wait is not None else ""
             per_round = meter.micro_batches_per_round()
             extra += f" | {per_round:.2f} micro-batches/round" if per_round else ""
+            extra += f" | {engine.skipped_steps} steps skipped (non-finite)" if engine.skipped_steps else ""
             say(f"step {done}/{args.max_steps} | loss {losses[-1]:.4f} | "
                 f"lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s{extra}", flush=True)
             if slow != 1.0 and per_round:
@@ -349,7 +350,7 @@ def main(argv=None) -> dict:
         "tokens_per_s": tokens_run / train_time if train_time else float("nan"),
         "step_time_s": train_time / steps_run if steps_run else float("nan"),
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
-        "comm_wait_s_per_step": wait, "params": n_params,
+        "comm_wait_s_per_step": wait, "params": n_params, "skipped_steps": engine.skipped_steps,
         "micro_batches_per_round": meter.micro_batches_per_round(),
         # Loopback counts every rank's traffic once: per rank is the total over the world size.
         "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,

@@ -74,7 +74,10 @@ BAD = [
      "integer or null"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"outer_momentum": 1.0}),
      "lowcomm.desloc.outer_momentum", "< 1"),
-    (_set(("fp16",), {"enabled": True}), "fp16.enabled", "bf16"),
+    (_set(("fp16",), {"enabled": True, "fp16_master_weights_and_grads": True}),
+     "fp16.fp16_master_weights_and_grads", "fp32 master"),
+    (_set(("lowcomm", "max_consecutive_skips"), 0), "lowcomm.max_consecutive_skips", ">= 1"),
+    (_set(("lowcomm", "max_consecutive_skips"), 2.5), "lowcomm.max_consecutive_skips", "integer"),
     (_set(("zero_optimization", "stage"), 2), "zero_optimization.stage", "got 2"),
     (_set(("zero_optimization", "stage"), 3), "zero_optimization.stage", "got 3"),
     (_del("zero_optimization"), "zero_optimization.stage", "stage\": 1"),
@@ -152,8 +155,8 @@ def test_initialize_rejects_before_touching_distributed():
     import ds_lowcomm  # noqa: F401
     from workers import tiny_gpt2
 
-    with pytest.raises(LowCommConfigError, match=r"^fp16\.enabled"):
-        deepspeed.initialize(model=tiny_gpt2(), config=variant(_set(("fp16",), {"enabled": True})))
+    with pytest.raises(LowCommConfigError, match=r"^lowcomm\.max_consecutive_skips"):
+        deepspeed.initialize(model=tiny_gpt2(), config=variant(_set(("lowcomm", "max_consecutive_skips"), 0)))
     with pytest.raises(LowCommConfigError, match=r"^optimizer: missing"):
         deepspeed.initialize(model=tiny_gpt2(), config=variant(_del("optimizer")))
     assert not torch.distributed.is_initialized()

@@ -1,5 +1,6 @@
 """FlatParams: one padded flat buffer cut into equal shards, and the whole matrix rows in a shard
 (what DeMo's matrix tiling tiles)."""
+import pytest
 import torch
 
 from ds_lowcomm.flat import FlatParams
@@ -23,3 +24,12 @@ def test_matrix_rows_in_each_shard():
 def test_one_shard_holds_every_matrix_whole():
     flat = FlatParams([{"params": _params()}], world=1, rank=0)
     assert flat.matrix_rows_in_shard() == [(10, 7, 5), (48, 6, 4)]
+
+
+def test_mixed_parameter_dtypes_are_refused():
+    """A module whose parameters stay fp32 in a bf16 model (what keep_in_fp32 would do to
+    parameters) cannot share one flat buffer: a clear error, not a silent cast."""
+    params = _params()
+    params[1].data = params[1].data.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"one dtype.*torch.bfloat16.*torch.float32"):
+        FlatParams([{"params": params}], world=1, rank=0)

@@ -5,7 +5,7 @@ import copy
 import hashlib
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -57,6 +57,15 @@ def batch(step: int, micro: int, rank: int, mbs: int = 2, block: int = 32) -> to
     return torch.tensor([list(data[s: s + block]) for s in starts], dtype=torch.long)
 
 
+def allow_fp16_on_this_cpu() -> None:
+    """DeepSpeed 0.19.8 refuses fp16 on a CPU without mkldnn fp16 kernels
+    (``CPU_Accelerator.is_fp16_supported``), though torch computes fp16 on any CPU, only slower.
+    The fp16 tests lift that gate in their own processes, for stock DeepSpeed and ds_lowcomm alike."""
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+
+
 def build_engine(cfg: dict, seed: int = 0, model=None):
     import deepspeed
 
@@ -75,18 +84,26 @@ def params_digest(engine) -> str:
     return h.hexdigest()
 
 
-def train(engine, steps: int, start: int = 0, rank: int = 0, digests: Optional[list] = None) -> List[float]:
+def train(engine, steps: int, start: int = 0, rank: int = 0, digests: Optional[list] = None,
+          poison: Optional[dict] = None, skip: Iterable[int] = ()) -> List[float]:
     """``steps`` optimizer steps (DeepSpeed loop: backward and step every micro-batch).
 
     Returns the mean loss per step on this rank; appends a parameter digest after each step.
+    ``poison``: ``{(step, micro): factor}``, this rank's loss of that micro-batch is multiplied by
+    ``factor`` before the backward pass (``nan``, ``inf``, or a huge number for an fp16 overflow).
+    ``skip``: data steps left out altogether (the reference "never saw that step").
     """
     gas = engine.gradient_accumulation_steps()
     losses = []
     for step in range(start, start + steps):
+        if step in skip:
+            continue
         total = 0.0
         for micro in range(gas):
             x = batch(step, micro, rank, engine.train_micro_batch_size_per_gpu())
             loss = engine(x, labels=x).loss
+            if poison and (step, micro) in poison:
+                loss = loss * poison[(step, micro)]
             engine.backward(loss)
             engine.step()
             total += loss.item() / gas

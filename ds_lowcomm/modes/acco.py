@@ -208,7 +208,7 @@ class Acco(Mode):
         pending = None
         if self.ticket is not None:
             rnd = self.ticket.round
-            pending = {"estimate": rnd.estimate, "grad_norm": rnd.grad_norm,
+            pending = {"estimate": rnd.estimate, **rnd.verdict(),
                        "params": self.opt.flat.unpadded(self.gathered).clone()}
         state["acco"] = {"variant": self.options.variant, "next_estimate": self.next_estimate,
                          "pending": pending}
@@ -235,7 +235,7 @@ class Acco(Mode):
             self.opt.flat.unpadded(self.gathered).copy_(pending["params"])
             rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=0,
                                    estimate=pending["estimate"])
-            rnd.grad_norm = pending["grad_norm"]
+            rnd.restore_verdict(pending)
             self.ticket = Ticket(rnd)
             self.ticket.done.set()
 

@@ -34,6 +34,7 @@ whole momentum on the rank (``shard_group_size: 1``) and one fp32 parameter-size
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
@@ -43,8 +44,8 @@ from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, s
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
-from ds_lowcomm.round import Round
-from ds_lowcomm.sharded_step import clip_by_global_norm, clip_scale
+from ds_lowcomm.round import StepRound
+from ds_lowcomm.sharded_step import clip_by_global_norm, clip_scale, nonfinite_ranks
 from ds_lowcomm.worker import Ticket
 
 if TYPE_CHECKING:
@@ -69,22 +70,28 @@ class DemoOptions:
                              "flight (needs shard_group_size 1)")
 
 
-class DemoRound(Round):
+class DemoRound(StepRound):
     """One DeMo step on this rank's shard (the module docstring's equations).
 
     Reads the padded flat gradient sums ``grads``; updates the mode's δ and master shard; writes
     the new parameters, all-gathered over the shard group, into ``target``. Communication per
     round: shard group of W ranks: reduce-scatter (W−1)/W·P·comm bytes, a 4-byte norm
     all-reduce, all-gather (W−1)/W·P·param bytes; replica group of R: all-gather (R−1)·payload.
+
+    Non-finite guard: a shard group whose gradient norm is NaN/inf (or whose new δ is) sends NaN
+    values, so the decoded mean update is non-finite on every replica; then nobody commits δ or
+    touches the master, and the all-gather hands back the unchanged weights.
     """
 
     def __init__(self, mode: "Demo", grads: torch.Tensor, target: torch.Tensor) -> None:
+        super().__init__()
         self.mode, self.grads, self.target = mode, grads, target
-        self.grad_norm: float = float("nan")
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
-        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in self.mode.opt.param_groups]
+        opt = self.mode.opt
+        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in opt.param_groups]
+        self.capture_step(opt.loss_scale, opt.steps)
 
     def run(self) -> None:
         mode, hyper = self.mode, self.hyper
@@ -94,14 +101,23 @@ class DemoRound(Round):
         send = self.grads if self.grads.dtype == opt.comm_dtype else self.grads.to(opt.comm_dtype)
         grad = send.new_empty(opt.flat.layout.shard_size)
         shard.reduce_scatter(grad, send)
-        grad = grad.float().mul_(1.0 / shard.world)
+        grad = grad.float().mul_(1.0 / (shard.world * self.loss_scale))
         self.grad_norm = clip_by_global_norm(shard, grad, opt.gradient_clipping)
+        local_ok = math.isfinite(self.grad_norm)  # one verdict per shard group
+        if not local_ok:
+            self.nonfinite_ranks = nonfinite_ranks(shard, self.grads)
 
+        # δ is updated into a new tensor and committed only once every replica's verdict is in.
+        delta = mode.delta * o.beta
         for seg in mode.segments:
             sl = slice(seg.start, seg.end)
-            mode.delta[sl].mul_(o.beta).add_(grad[sl], alpha=hyper[seg.group]["lr"])
-        idx, vals = mode.codec.encode(mode.delta)
-        mode.delta.sub_(mode.codec.dense(idx, vals))
+            delta[sl].add_(grad[sl], alpha=hyper[seg.group]["lr"])
+        local_ok = local_ok and bool(torch.isfinite(delta).all())
+        idx, vals = mode.codec.encode(delta)
+        if not local_ok:
+            # The verdict rides in the payload: NaN values make every replica's decoded update
+            # non-finite, so every replica skips this step with us.
+            vals = torch.full_like(vals, float("nan"))
         payload = mode.codec.pack(idx, vals)
         if replica is None:
             payloads = [payload]
@@ -109,16 +125,20 @@ class DemoRound(Round):
             gathered = payload.new_empty(replica.world * payload.numel())
             replica.all_gather(gathered, payload)
             payloads = list(gathered.chunk(replica.world))
-        update = mode.codec.decode_mean(payloads).sign_()
+        update = mode.codec.decode_mean(payloads)
+        self.skipped = not bool(torch.isfinite(update).all())  # checked before sign(): sign(NaN) hides it
 
-        for seg in mode.segments:
-            sl, hp = slice(seg.start, seg.end), hyper[seg.group]
-            mode.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
+        if not self.skipped:
+            mode.delta = delta.sub_(mode.codec.dense(idx, vals))  # error feedback
+            update.sign_()
+            for seg in mode.segments:
+                sl, hp = slice(seg.start, seg.end), hyper[seg.group]
+                mode.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
+            mode.step_count += 1
         shard.all_gather(self.target, mode.master.to(self.target.dtype, copy=True))
-        mode.step_count += 1
 
     def install(self) -> None:
-        self.mode.opt._global_grad_norm = self.grad_norm
+        self.mode.opt.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
 
 
 @register
@@ -186,13 +206,15 @@ class Demo(Mode):
         """Move the model by this rank's own momentum step, sign(β·δ + lr·clipped g): the local
         estimate of the global update in flight (torchtitan-lowcomms, Psyche). Runs before the
         round is submitted, while δ is stable; the round's result overwrites the model."""
-        opt, send = self.opt, self.send
-        norm = torch.linalg.vector_norm(send, dtype=torch.float64).item()
+        opt, send, loss_scale = self.opt, self.send, self.opt.loss_scale
+        norm = torch.linalg.vector_norm(send, dtype=torch.float64).item() / loss_scale
+        if not math.isfinite(norm):
+            return  # the round will skip this step: computing at a non-finite point would spread it
         scale = clip_scale(norm, opt.gradient_clipping)
         step = self.delta * self.options.beta
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
-            step[sl].add_(send[sl], alpha=hyper[seg.group]["lr"] * scale)
+            step[sl].add_(send[sl], alpha=hyper[seg.group]["lr"] * scale / loss_scale)
         step.sign_()
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
@@ -231,7 +253,7 @@ class Demo(Mode):
         """The master includes the update in flight, if any; ``pending`` says it has not reached
         the model yet (the model's own weights are saved by DeepSpeed)."""
         master = self.master_weights()
-        pending = None if self.ticket is None else {"grad_norm": self.ticket.round.grad_norm}
+        pending = None if self.ticket is None else self.ticket.round.verdict()
         return {"master": master, "step": self.step_count, "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
@@ -248,7 +270,7 @@ class Demo(Mode):
         # model keeps the weights DeepSpeed restored until then.
         self.opt.flat.unpadded(self.gathered).copy_(state["master"].to(self.gathered.dtype))
         rnd = DemoRound(self, self.send, self.gathered)
-        rnd.grad_norm = pending["grad_norm"]
+        rnd.restore_verdict(pending)
         self.ticket = Ticket(rnd)
         self.ticket.done.set()
 

@@ -14,6 +14,13 @@ updates is not Adam on the averaged gradient).
 Bytes per rank per step across replica groups, R replicas, S shard elements in fp32:
 2(R−1)/R · 4·S · (1/Kx + 1/Ku + 1/Kv) — with R = 2, one shard per period.
 Replicas differ between syncs, so each rank's state is saved in its own file.
+
+Non-finite gradients are judged per replica (the norm all-reduce inside the shard group): a
+replica whose gradient is non-finite skips its local update and keeps its state from before the
+step, so what it brings to an average is always finite. The periods count rounds, which every
+replica runs whatever its verdicts, so replicas always meet at the same steps; a replica that
+skipped has made one Adam step fewer (its own bias correction and, as in stock DeepSpeed, its
+learning-rate schedule wait one step).
 """
 from __future__ import annotations
 
@@ -67,6 +74,7 @@ class Desloc(Mode):
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
         self.periods = {"master": kx, "exp_avg": ku, "exp_avg_sq": kv}
         self.adamw = ShardAdamW(opt.flat.layout, opt.flat.buffer)
+        self.rounds = 0  # rounds run, skipped or not: equal on every replica, it paces the syncs
         # DiLoCo-style outer Nesterov: the anchor is the parameters at the last sync, the
         # pseudo-gradient is anchor − average. Off (plain averaging) unless configured.
         self.outer = options.outer_lr != 1.0 or options.outer_momentum != 0.0
@@ -77,7 +85,7 @@ class Desloc(Mode):
     def step(self) -> None:
         opt = self.opt
         rnd = ShardedStepRound(opt, self.adamw, opt.grads.buffer, opt.flat.buffer,
-                               scale=1.0 / opt.topology.shard.world, after_step=self._average_due)
+                               scale=1.0 / opt.topology.shard.world, after_update=self._average_due)
         rnd.pack()
         opt.worker.wait(opt.worker.submit(rnd))
         rnd.install()
@@ -85,9 +93,11 @@ class Desloc(Mode):
         opt.step_taken()
 
     def _average_due(self) -> None:
-        """After the local update, before the all-gather: average the states due this step."""
+        """After the local update (or its skip), before the all-gather: average the states due
+        this round."""
         replica = self.opt.topology.replica
-        t = self.adamw.step_count
+        self.rounds += 1
+        t = self.rounds
         due = [k for k, every in self.periods.items() if every != NEVER and t % every == 0]
         if replica is None or not due:
             return
@@ -114,10 +124,11 @@ class Desloc(Mode):
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
 
     def state_dict(self) -> dict:
-        return {"master": self.master_weights(), "step": self.adamw.step_count}
+        return {"master": self.master_weights(), "step": self.adamw.step_count, "rounds": self.rounds}
 
     def load_state_dict(self, state: dict) -> None:
         self.adamw.load_full_state(state)  # replica 0's master; moments come from the rank file
+        self.rounds = int(state.get("rounds", state.get("step", 0)))
         if self.outer:  # weights only: the outer optimizer restarts from them
             self.anchor = self.adamw.master.clone()
             self.outer_buf = torch.zeros_like(self.anchor)
@@ -126,7 +137,7 @@ class Desloc(Mode):
     def rank_state_dict(self) -> dict:
         a = self.adamw
         state = {**rank_layout(self.opt.topology), "master": a.master.clone(), "exp_avg": a.exp_avg.clone(),
-                 "exp_avg_sq": a.exp_avg_sq.clone()}
+                 "exp_avg_sq": a.exp_avg_sq.clone(), "step": a.step_count}
         if self.outer:
             state.update(anchor=self.anchor.clone(), outer_buf=self.outer_buf.clone())
         return state
@@ -135,6 +146,7 @@ class Desloc(Mode):
         check_rank_layout(state, self.opt.topology, "each replica's own AdamW state")
         for k in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self.adamw, k).copy_(state[k])
+        self.adamw.step_count = int(state.get("step", self.adamw.step_count))  # this replica's own
         if self.outer:
             if "anchor" not in state:
                 raise CheckpointError("this desloc checkpoint has no outer-optimizer state (saved with "
