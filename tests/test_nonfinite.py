@@ -36,11 +36,19 @@ def _shard_state(engine) -> dict:
     return {"master": mode.master.clone(), "delta": mode.delta.clone(), "step": mode.step_count}
 
 
-def _run(cfg, rank, poison=None, skip=(), steps=STEPS, scales=None, norms=None):
+def _run(cfg, rank, poison=None, skip=(), steps=STEPS, scales=None, norms=None, poison_last_param=None):
+    """``poison_last_param``: a step at which this rank's gradient of the last parameter (in the
+    last shard of the flat buffer) alone is made NaN."""
     engine = workers.build_engine(cfg)
     losses = []
     for step in range(steps):
+        hook = None
+        if step == poison_last_param:
+            last = list(engine.module.parameters())[-1]
+            hook = last.register_hook(lambda g: g * NAN)
         losses += workers.train(engine, 1, start=step, rank=rank, poison=poison, skip=skip)
+        if hook is not None:
+            hook.remove()
         if scales is not None:
             scales.append(engine._get_optimizer_loss_scale())
         if norms is not None:
@@ -59,9 +67,11 @@ def _summary(engine, losses):
 
 
 def _exact_skip(rank, mode, factor, reference=True, **lowcomm):
-    """Poisoned on rank 1 at BAD_STEP, and the reference run that never saw BAD_STEP."""
-    poison = {(BAD_STEP, 0): factor} if rank == 1 else None
-    out = _summary(*_run(_cfg(mode, **lowcomm), rank, poison))
+    """Poisoned on rank 1 at BAD_STEP, and the reference run that never saw BAD_STEP.
+    ``factor`` None: only the last parameter's gradient is poisoned (one shard's region)."""
+    poison = {(BAD_STEP, 0): factor} if rank == 1 and factor is not None else None
+    last = BAD_STEP if rank == 1 and factor is None else None
+    out = _summary(*_run(_cfg(mode, **lowcomm), rank, poison, poison_last_param=last))
     if reference:
         out["reference"] = _summary(*_run(_cfg(mode, **lowcomm), rank, skip={BAD_STEP}))
     return out
@@ -100,6 +110,9 @@ CASES = {
     "acco_fp16": (_fp16, "acco", dict(acco={"accumulate_while_waiting": False})),
     "acco_fp32": (_fp16, "acco", dict(fp16=False, acco={"accumulate_while_waiting": False})),
     "demo": (_exact_skip, "demo", dict(factor=INF, shard_group_size=1)),
+    # one replica sharded over both ranks, NaN only in rank 1's shard: rank 0's own shard is
+    # finite, and it must still skip (the shard group's verdict travels in its payload)
+    "demo_sharded": (_exact_skip, "demo", dict(factor=None, shard_group_size=2)),
     "demo_overlap": (_exact_skip, "demo", dict(factor=NAN, shard_group_size=1, demo={"overlap": True})),
     "demo_overlap_diverges": (_diverges, "demo", dict(shard_group_size=1, demo={"overlap": True})),
     "demo_fp16": (_fp16, "demo", dict(shard_group_size=1)),
@@ -141,7 +154,7 @@ def _check_finished(r):
     assert math.isfinite(r["losses"][-1]) and r["losses"][-1] < r["losses"][0]
 
 
-@pytest.mark.parametrize("name", ["zero1", "demo"])
+@pytest.mark.parametrize("name", ["zero1", "demo", "demo_sharded"])
 def test_skip_is_exact(results, name):
     """The optimizer state after the run equals, bit for bit, a run that never saw the bad step."""
     for rank, r in enumerate(_get(results, name)):
