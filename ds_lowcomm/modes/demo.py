@@ -80,7 +80,8 @@ class DemoRound(StepRound):
 
     Non-finite guard: a shard group whose gradient norm is NaN/inf (or whose new δ is) sends NaN
     values, so the decoded mean update is non-finite on every replica; then nobody commits δ or
-    touches the master, and the all-gather hands back the unchanged weights.
+    touches the master, and the all-gather hands back the unchanged weights. The new δ is built
+    beside the old one until then: one more shard-sized fp32 buffer while the round runs.
     """
 
     def __init__(self, mode: "Demo", grads: torch.Tensor, target: torch.Tensor) -> None:
