@@ -14,7 +14,9 @@ from typing import Dict, List
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ds_lowcomm.checkpoint import MODEL_FILE, CheckpointError, check_same_model, resolve_tag
+from ds_lowcomm.checkpoint import (MANIFEST, MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
+                                   check_same_model, file_record, rank_file_name, resolve_tag, safe_load,
+                                   verify_files, write_manifest)
 from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError, check_adamw_hyperparameters
 from ds_lowcomm.optimizer import LowCommOptimizer
 
@@ -178,47 +180,82 @@ class LowCommEngine(DeepSpeedEngine):
         """Bytes sent/received per collective and per step, rounds, time in flight and waited."""
         return self.optimizer.comm_stats()
 
-    def _rank_file(self, save_dir, tag) -> str:
-        return os.path.join(save_dir, str(tag), f"lowcomm_rank{self.global_rank:05d}.pt")
-
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         """DeepSpeed's ``save_checkpoint`` (collective), plus a per-rank file when the mode keeps
-        per-rank state (e.g. acco's gradients accumulated mid-step)."""
+        per-rank state (e.g. acco's gradients accumulated mid-step), a manifest, and ``latest``
+        written last (see :mod:`ds_lowcomm.checkpoint`): a save killed at any point leaves the
+        previous checkpoint the one that resumes. Communication besides DeepSpeed's: a barrier and
+        each rank's file records (a few hundred bytes)."""
         # First, so every rank tags the same step: under acco a rank may be one launch behind.
         self.optimizer.settle()
-        tag = f"global_step{self.global_steps}" if tag is None else tag
-        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
-                                      save_latest=save_latest, **kwargs)
+        tag = str(f"global_step{self.global_steps}" if tag is None else tag)
+        tag_dir = os.path.join(save_dir, tag)
+        if self.global_rank == 0 and os.path.isfile(os.path.join(tag_dir, MANIFEST)):
+            os.remove(os.path.join(tag_dir, MANIFEST))  # re-saving a tag: never vouch for a mix
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False,
+                                      **kwargs)  # ends with a barrier: DeepSpeed's files are complete
+        records = {}
         rank_state = self.optimizer.rank_state_dict()
         if rank_state is not None:
-            torch.save(rank_state, self._rank_file(save_dir, tag))
+            name = rank_file_name(self.global_rank)
+            atomic_save(rank_state, os.path.join(tag_dir, name))
+            records[name] = file_record(os.path.join(tag_dir, name))
+        if self.global_rank == 0:
+            records[MODEL_FILE] = file_record(os.path.join(tag_dir, MODEL_FILE))
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, records)
+        if self.global_rank == 0:
+            write_manifest(tag_dir, {k: v for r in everyone for k, v in r.items()})
+            if save_latest:
+                atomic_write_text(os.path.join(save_dir, "latest"), tag)
         torch.distributed.barrier()
         return out
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         **kwargs):
-        """DeepSpeed's ``load_checkpoint``, but a missing or foreign checkpoint raises
-        :class:`~ds_lowcomm.checkpoint.CheckpointError` (stock DeepSpeed only warns and returns
-        ``(None, None)`` when ``latest`` is missing)."""
-        tag = resolve_tag(load_dir, tag)
-        path = os.path.join(load_dir, str(tag), MODEL_FILE)
+        """DeepSpeed's ``load_checkpoint``, after checking the files this rank reads against the
+        manifest and reading them with ``weights_only=True`` (DeepSpeed's own model file too,
+        before DeepSpeed unpickles it). A missing, foreign, changed, truncated or unsafe
+        checkpoint raises :class:`~ds_lowcomm.checkpoint.CheckpointError` naming the file, on
+        every rank (stock DeepSpeed only warns and returns ``(None, None)`` when ``latest`` is
+        missing)."""
+        try:
+            tag = resolve_tag(load_dir, tag)
+            rank_state = self._read_checkpoint(os.path.join(load_dir, str(tag)), load_optimizer_states)
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+        # One verdict for every rank (a few bytes): a rank whose files are bad must not leave the
+        # others waiting in DeepSpeed's load.
+        errors = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(errors, error)
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad:
+            raise CheckpointError(error if error is not None else f"rank {bad[0][0]}: {bad[0][1]}")
+        out = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states, **kwargs)
+        if rank_state is not None:
+            self.optimizer.load_rank_state_dict(rank_state)
+        return out
+
+    def _read_checkpoint(self, tag_dir: str, load_optimizer_states: bool):
+        """This rank's checks and safe reads; returns this rank's own state (None if not needed)."""
+        path = os.path.join(tag_dir, MODEL_FILE)
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag {tag!r} in {load_dir!r}")
-        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer")
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
-        opt = self.optimizer
-        check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
-        rank_path = self._rank_file(load_dir, tag)
+            raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
+                                  f"{os.path.basename(tag_dir)!r} in {os.path.dirname(tag_dir)!r}")
         needs_rank_state = load_optimizer_states and self.optimizer.mode.has_rank_state
+        rank_name = rank_file_name(self.global_rank)
+        rank_path = os.path.join(tag_dir, rank_name)
         if needs_rank_state and not os.path.isfile(rank_path):
             raise CheckpointError(
                 f"{rank_path!r} does not exist: this mode keeps per-rank state and the checkpoint has "
                 f"none for rank {self.global_rank} (saved with fewer ranks, or by another mode?); "
                 f"load with load_optimizer_states=False to take the weights only")
-        out = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer_states, **kwargs)
-        if needs_rank_state:
-            self.optimizer.load_rank_state_dict(torch.load(rank_path, map_location=self.device,
-                                                           weights_only=False))
-        return out
+        verify_files(tag_dir, [MODEL_FILE] + ([rank_name] if needs_rank_state else []))
+        saved = safe_load(path, mmap=True).get("optimizer")  # also vets the file DeepSpeed unpickles
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
+        opt = self.optimizer
+        check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
+        return safe_load(rank_path, map_location=self.device) if needs_rank_state else None

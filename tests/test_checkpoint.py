@@ -1,4 +1,7 @@
 """Checkpoints: exact resume, resume at another world size, fp32 export, clear errors."""
+import math
+import os
+import shutil
 import subprocess
 import sys
 
@@ -89,7 +92,7 @@ def test_resume_is_bit_identical(tmp_path, dtype):
     # The 2-rank checkpoint loads on 1 rank: same master, and training goes on from it.
     (one,) = run_ranks(_load_and_train_alone, 1, str(tmp_path))
     assert torch.equal(one["master"], r0["master"])
-    assert one["losses"][-1] < one["losses"][0] + 0.05 and all(l == l for l in one["losses"])
+    assert one["losses"][-1] < one["losses"][0] + 0.05 and all(math.isfinite(l) for l in one["losses"])
 
 
 def _load_and_train_alone(rank, world, save_dir):
@@ -101,6 +104,8 @@ def _load_and_train_alone(rank, world, save_dir):
 
 
 def _load_errors(rank, world, save_dir, empty_dir):
+    from unittest import mock
+
     from ds_lowcomm import CheckpointError
 
     errors = {}
@@ -110,6 +115,19 @@ def _load_errors(rank, world, save_dir, empty_dir):
             other.load_checkpoint(path)
         except CheckpointError as err:
             errors[name] = str(err)
+
+    # A save that dies after DeepSpeed wrote its file but before our manifest: `latest` still
+    # names the previous, complete checkpoint, which loads.
+    engine = workers.build_engine(workers.config("zero1"))
+    workers.train(engine, 1, rank=rank)
+    with mock.patch("ds_lowcomm.engine.write_manifest", side_effect=KeyboardInterrupt("killed")):
+        try:
+            engine.save_checkpoint(save_dir, tag="torn")
+        except KeyboardInterrupt:
+            pass
+    with open(os.path.join(save_dir, "latest")) as f:
+        errors["latest_after_torn_save"] = f.read()
+    engine.load_checkpoint(save_dir)
     return errors
 
 
@@ -120,6 +138,89 @@ def test_checkpoint_errors(tmp_path):
     assert "different model" in errors["other_model"]
     assert "[256, 32]" in errors["other_model"] and "[256, 48]" in errors["other_model"]
     assert "no checkpoint" in errors["missing"]
+    assert errors["latest_after_torn_save"] == "global_step1"
+
+
+class _Planted:
+    """What an attacker puts in a checkpoint: unpickling it creates a file (any code could run)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _tamper(case, tag_dir, marker):
+    from ds_lowcomm.checkpoint import MANIFEST, MODEL_FILE
+
+    model, rank1 = os.path.join(tag_dir, MODEL_FILE), os.path.join(tag_dir, "lowcomm_rank00001.pt")
+    if case == "flipped":  # 16 bytes in the middle of the model file, size unchanged
+        with open(model, "r+b") as f:
+            f.seek(os.path.getsize(model) // 2)
+            data = f.read(16)
+            f.seek(-16, 1)
+            f.write(bytes(b ^ 0xFF for b in data))
+    elif case in ("truncated", "truncated_unrecorded"):
+        victim = rank1 if case == "truncated" else model
+        os.truncate(victim, os.path.getsize(victim) // 2)
+    elif case.startswith("planted"):
+        torch.save({"module": {}, "optimizer": _Planted(marker)}, model)
+    elif case == "missing":
+        os.remove(rank1)
+    if case in ("truncated_unrecorded", "planted_unrecorded", "unrecorded"):
+        os.remove(os.path.join(tag_dir, MANIFEST))
+
+
+TAMPER_CASES = ("flipped", "truncated", "truncated_unrecorded", "planted", "planted_unrecorded", "missing",
+                "unrecorded")
+
+
+def _load_tampered(rank, world, root):
+    """One saved checkpoint (demo: per-rank files too), then each case on a copy of it."""
+    from ds_lowcomm import CheckpointError
+
+    engine = workers.build_engine(workers.config("demo", shard_group_size=1))
+    workers.train(engine, 2, rank=rank)
+    good = os.path.join(root, "good")
+    engine.save_checkpoint(good)
+    tag = open(os.path.join(good, "latest")).read()
+    out = {}
+    for case in TAMPER_CASES:
+        case_dir, marker = os.path.join(root, case), os.path.join(root, case + ".marker")
+        if rank == 0:
+            shutil.copytree(good, case_dir)
+            _tamper(case, os.path.join(case_dir, tag), marker)
+        torch.distributed.barrier()
+        try:
+            engine.load_checkpoint(case_dir)
+            out[case] = "loaded"
+        except CheckpointError as err:
+            out[case] = str(err)
+        out[case + ".marker"] = os.path.exists(marker)
+    return out
+
+
+def test_damaged_or_unsafe_files_are_refused(tmp_path):
+    """Each bad file gets a one-line CheckpointError naming it, on every rank, before anything is
+    loaded; a planted pickle never runs, with or without a manifest to catch it."""
+    r0, r1 = run_ranks(_load_tampered, 2, str(tmp_path))
+    for rank, r in enumerate((r0, r1)):
+        want = {
+            "flipped": ("mp_rank_00_model_states.pt", "sha256"),
+            "truncated": ("lowcomm_rank00001.pt", "truncated"),
+            "truncated_unrecorded": ("mp_rank_00_model_states.pt", "cannot be read"),
+            "planted": ("mp_rank_00_model_states.pt", "the manifest recorded"),
+            "planted_unrecorded": ("mp_rank_00_model_states.pt", "arbitrary unpickling"),
+            "missing": ("lowcomm_rank00001.pt", "does not exist"),
+        }
+        for case, words in want.items():
+            msg = r[case]
+            assert "\n" not in msg and all(w in msg for w in words), f"rank {rank}, {case}: {msg}"
+            if rank == 0 and "rank00001" in words[0]:
+                assert msg.startswith("rank 1: "), msg  # rank 0's own files were fine
+        assert r["unrecorded"] == "loaded"  # an older checkpoint without a manifest still loads
+        assert not any(r[c + ".marker"] for c in TAMPER_CASES)
 
 
 def _save_small(rank, world, save_dir):
