@@ -221,7 +221,7 @@ class LowCommEngine(DeepSpeedEngine):
         missing)."""
         try:
             tag = resolve_tag(load_dir, tag)
-            rank_state = self._read_checkpoint(os.path.join(load_dir, str(tag)), load_optimizer_states)
+            saved, rank_state = self._read_checkpoint(os.path.join(load_dir, str(tag)), load_optimizer_states)
             error = None
         except CheckpointError as err:
             error = str(err)
@@ -234,12 +234,17 @@ class LowCommEngine(DeepSpeedEngine):
             raise CheckpointError(error if error is not None else f"rank {bad[0][0]}: {bad[0][1]}")
         out = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states, **kwargs)
+        if not load_optimizer_states and not kwargs.get("load_module_only"):
+            # DeepSpeed (0.19.8) then leaves the optimizer alone, which would keep the fp32
+            # master of this run's start and overwrite the loaded weights at the next step.
+            self.optimizer.load_state_dict(saved, load_optimizer_states=False)
         if rank_state is not None:
             self.optimizer.load_rank_state_dict(rank_state)
         return out
 
     def _read_checkpoint(self, tag_dir: str, load_optimizer_states: bool):
-        """This rank's checks and safe reads; returns this rank's own state (None if not needed)."""
+        """This rank's checks and safe reads: (our optimizer state from the model file, this rank's
+        own state or None if not needed)."""
         path = os.path.join(tag_dir, MODEL_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
@@ -258,4 +263,4 @@ class LowCommEngine(DeepSpeedEngine):
             raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
         opt = self.optimizer
         check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
-        return safe_load(rank_path, map_location=self.device) if needs_rank_state else None
+        return saved, (safe_load(rank_path, map_location=self.device) if needs_rank_state else None)

@@ -92,6 +92,10 @@ def test_resume_is_bit_identical(tmp_path, dtype):
     # The 2-rank checkpoint loads on 1 rank: same master, and training goes on from it.
     (one,) = run_ranks(_load_and_train_alone, 1, str(tmp_path))
     assert torch.equal(one["master"], r0["master"])
+    wo = one["weights_only"]
+    assert torch.equal(wo["master"], r0["master"])
+    # Training goes on from the loaded weights (a restart from this run's init would be ~5.5).
+    assert all(math.isfinite(l) for l in wo["losses"]) and abs(wo["losses"][0] - one["losses"][0]) < 0.05
     assert one["losses"][-1] < one["losses"][0] + 0.05 and all(math.isfinite(l) for l in one["losses"])
 
 
@@ -100,7 +104,13 @@ def _load_and_train_alone(rank, world, save_dir):
     _, client = engine.load_checkpoint(save_dir)
     master = engine.optimizer.master_weights()
     losses = workers.train(engine, 3, start=client["step"], rank=rank)
-    return dict(master=master, losses=losses)
+    # The weights only, into another mode (what the error messages tell a user to do): the fp32
+    # master comes from the checkpoint, not from this run's start, and survives the next step.
+    acco = workers.build_engine(workers.config("acco"), seed=7)
+    acco.load_checkpoint(save_dir, load_optimizer_states=False)
+    weights_only = dict(master=acco.optimizer.master_weights(),
+                        losses=workers.train(acco, 2, start=client["step"], rank=rank))
+    return dict(master=master, losses=losses, weights_only=weights_only)
 
 
 def _load_errors(rank, world, save_dir, empty_dir):
