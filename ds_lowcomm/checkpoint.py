@@ -1,9 +1,13 @@
-"""Checkpoint state: world-size independent, exact, and exportable as plain fp32 weights.
+"""Checkpoint state: sharded at save, resharded at load, exact, and exportable as plain fp32 weights.
 
 DeepSpeed (ZeRO stage 0 as far as it knows) calls ``optimizer.state_dict()`` on every rank and
-writes rank 0's dict into ``<dir>/<tag>/mp_rank_00_model_states.pt`` under ``"optimizer"``; at load
-every rank receives that dict. So sharded state is gathered, unpadded, into full tensors when
-saving and each rank pads and slices its own shard when loading, whatever the world size.
+writes rank 0's dict into ``<dir>/<tag>/mp_rank_00_model_states.pt`` under ``"optimizer"``: that
+dict holds only small metadata (names, shapes, hyperparameters, counters, how the state was
+cut). Each rank writes what it owns to its own file, ``lowcomm_rank<r>.pt``: its shards of the
+flat fp32 state (master, Adam moments, ...) and its mode's per-rank state. Nothing is gathered
+and nothing crosses the network at save but a barrier and each file's size and hash. At load,
+:class:`ShardReader` cuts each rank's new shard out of whichever files hold it, memory-mapped, so
+sharded state loads at any world size and ``shard_group_size``.
 
 Files are safe to keep and to load: every file of ours is written under a temporary name and
 renamed; a manifest (``lowcomm_manifest.json``: each file's size and sha256) is written after every
@@ -30,14 +34,16 @@ import logging
 import os
 import pickle
 import sys
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
 from ds_lowcomm.comm import Collectives
 from ds_lowcomm.flat import ShardLayout
 
-FORMAT = "ds_lowcomm/1"
+FORMAT = "ds_lowcomm/2"
+#: the format before sharded saves: full (gathered) state in the model file; still loaded
+LEGACY_FORMAT = "ds_lowcomm/1"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 MANIFEST = "lowcomm_manifest.json"
 logger = logging.getLogger("ds_lowcomm")
@@ -163,14 +169,9 @@ def gather_full(comm: Collectives, layout: ShardLayout, shard: torch.Tensor) -> 
     return full[: layout.numel].clone()
 
 
-def shard_of(full: torch.Tensor, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an unpadded full tensor, as ``like``'s dtype and device."""
-    return layout.shard(layout.pad(full.to(like.device, like.dtype))).clone()
-
-
 def check_same_model(saved: dict, names: list, shapes: list) -> None:
     """Raise :class:`CheckpointError` unless the checkpoint's parameters match this model's."""
-    if saved.get("format") != FORMAT:
+    if saved.get("format") not in (FORMAT, LEGACY_FORMAT):
         raise CheckpointError(f"optimizer state has format {saved.get('format')!r}, expected {FORMAT!r}: "
                               "this checkpoint was not written by ds_lowcomm (stock DeepSpeed?); load "
                               "it with load_optimizer_states=False to take the weights only")
@@ -182,6 +183,125 @@ def check_same_model(saved: dict, names: list, shapes: list) -> None:
         if old_n != n or old_s != tuple(s):
             raise CheckpointError(f"checkpoint parameter {old_n[0]} {list(old_s)} does not match this "
                                   f"model's {n[0]} {list(s)}: it was saved from a different model")
+
+
+def shard_meta(layout: ShardLayout, topology) -> dict:
+    """How this run cuts flat state into rank files (saved with the metadata, read by
+    :class:`ShardReader`)."""
+    return {"numel": layout.numel, "shard_size": layout.shard_size,
+            "shard_group_size": topology.shard_group_size, "world_size": topology.world_size}
+
+
+class ShardReader:
+    """Ranges of flat state saved one shard per rank file, read memory-mapped with
+    ``weights_only=True``.
+
+    Rank ``r``'s file holds, under ``"shards"``, elements ``[i·S, (i+1)·S)`` of each flat tensor of
+    its replica (``i = r mod G``, ``S`` the saved shard size, ``G`` the saved shard group size);
+    :meth:`read` cuts any range out of the files of one replica (replica 0 unless told), so the
+    state loads into any layout. Elements past the real ones (padding) read as zeros.
+    """
+
+    def __init__(self, tag_dir: str, meta: dict, replica: int = 0, verified: Optional[set] = None) -> None:
+        self.tag_dir, self.meta, self.replica = tag_dir, meta, replica
+        #: the optimizer metadata from the model file this state belongs to
+        self.saved_meta: Optional[dict] = None
+        self._cache: Dict[int, dict] = {}
+        self.verified = set() if verified is None else verified  # file names checked against the manifest
+
+    def verify(self, names: Iterable[str]) -> None:
+        """Check files against the manifest (once each); every file is checked before it is read."""
+        todo = [n for n in names if n not in self.verified]
+        verify_files(self.tag_dir, todo)
+        self.verified.update(todo)
+
+    def _ranks(self, start: int, length: int) -> List[int]:
+        size, numel = self.meta["shard_size"], self.meta["numel"]
+        end = min(start + length, numel)
+        first = self.replica * self.meta["shard_group_size"]
+        return [first + i for i in range(start // size, -(-end // size))] if end > start else []
+
+    def of_replica(self, replica: int) -> "ShardReader":
+        """The same state as held by replica ``replica`` (per-replica state, same layout only)."""
+        other = ShardReader(self.tag_dir, self.meta, replica, self.verified)
+        other.saved_meta = self.saved_meta
+        return other
+
+    def files_for(self, start: int, length: int) -> List[str]:
+        """The rank files :meth:`read` opens for elements ``[start, start + length)``."""
+        return [rank_file_name(r) for r in self._ranks(start, length)]
+
+    def _shards(self, rank: int) -> dict:
+        if rank not in self._cache:
+            self.verify([rank_file_name(rank)])
+            path = os.path.join(self.tag_dir, rank_file_name(rank))
+            shards = safe_load(path, mmap=True).get("shards")
+            if not isinstance(shards, dict):
+                raise CheckpointError(f"{path!r} holds no shards: it was not written by this ds_lowcomm")
+            self._cache[rank] = shards
+        return self._cache[rank]
+
+    def read(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of flat tensor ``key``, as ``like``'s dtype/device."""
+        out = torch.zeros(length, dtype=like.dtype, device=like.device)
+        size = self.meta["shard_size"]
+        end = min(start + length, self.meta["numel"])
+        for rank in self._ranks(start, length):
+            shards = self._shards(rank)
+            if key not in shards:
+                raise CheckpointError(f"{os.path.join(self.tag_dir, rank_file_name(rank))!r} has no "
+                                      f"{key!r}: it was saved by another mode or version")
+            lo = (rank - self.replica * self.meta["shard_group_size"]) * size
+            a, b = max(start, lo), min(end, lo + size)
+            out[a - start: b - start].copy_(shards[key][a - lo: b - lo])
+        return out
+
+    def shard(self, key: str, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
+        """This run's shard of ``key`` (``layout``'s range)."""
+        return self.read(key, layout.shard_start, layout.shard_size, like)
+
+    def full(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """All real elements of ``key`` (unpadded)."""
+        return self.read(key, 0, self.meta["numel"], like)
+
+
+class LegacyReader(ShardReader):
+    """The same reads from a :data:`LEGACY_FORMAT` checkpoint, whose model file holds the state
+    gathered into full tensors (``key`` → ``saved[key]``, or acco's pending parameters)."""
+
+    def __init__(self, saved: dict) -> None:
+        self.saved_meta = saved
+        self.meta = {"numel": saved["master"].numel()}
+
+    def verify(self, names: Iterable[str]) -> None:
+        pass  # the state is in the model file, verified before it was read
+
+    def of_replica(self, replica: int) -> "ShardReader":
+        return self  # replica 0's: per-replica state comes with the rank files
+
+    def files_for(self, start: int, length: int) -> List[str]:
+        return []
+
+    def read(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        full = self.saved_meta.get(key)
+        if key == "pending_params":
+            full = self.saved_meta["acco"]["pending"]["params"]
+        if full is None:
+            raise CheckpointError(f"this {LEGACY_FORMAT} checkpoint has no {key!r}")
+        out = torch.zeros(length, dtype=like.dtype, device=like.device)
+        end = min(start + length, full.numel())
+        if end > start:
+            out[: end - start].copy_(full[start:end])
+        return out
+
+
+def reader_for(tag_dir: str, saved: dict) -> ShardReader:
+    """The reader of a checkpoint's flat state, given the optimizer metadata of its model file."""
+    if saved.get("format") == LEGACY_FORMAT:
+        return LegacyReader(saved)
+    reader = ShardReader(tag_dir, saved["shards"])
+    reader.saved_meta = saved
+    return reader
 
 
 def rank_layout(topology) -> dict:
@@ -214,23 +334,24 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
 
 
 def export_fp32(load_dir: str, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """The model's ``state_dict`` with every trainable parameter taken from the fp32 master."""
+    """The model's ``state_dict`` with every trainable parameter taken from the fp32 master
+    (replica 0's under DES-LOC), read from the rank files one shard at a time."""
     tag_dir = os.path.join(load_dir, resolve_tag(load_dir, tag))
     path = os.path.join(tag_dir, MODEL_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path!r} does not exist")
     verify_files(tag_dir, [MODEL_FILE])
-    ckpt = safe_load(path)
+    ckpt = safe_load(path, mmap=True)
     opt = ckpt.get("optimizer")
-    if not isinstance(opt, dict) or opt.get("format") != FORMAT:
+    if not isinstance(opt, dict) or opt.get("format") not in (FORMAT, LEGACY_FORMAT):
         raise CheckpointError(f"{path!r} holds no ds_lowcomm optimizer state; for stock DeepSpeed "
                               "ZeRO checkpoints use the zero_to_fp32.py script saved next to them")
-    master = opt["master"]
+    reader = reader_for(tag_dir, opt)  # checks each rank file against the manifest as it opens it
     out = {k: v.float() if v.is_floating_point() else v for k, v in ckpt["module"].items()}
-    offset = 0
+    like, offset = torch.empty(0), 0
     for names, shape in zip(opt["param_names"], opt["param_shapes"]):
         n = int(torch.Size(shape).numel())
-        value = master[offset: offset + n].view(shape).clone()
+        value = reader.read("master", offset, n, like).view(shape)
         for name in names:
             out[name] = value
         offset += n

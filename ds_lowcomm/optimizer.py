@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ds_lowcomm.checkpoint import FORMAT, CheckpointError, check_same_model
+from ds_lowcomm.checkpoint import FORMAT, CheckpointError, check_same_model, shard_meta
 from ds_lowcomm.comm import CommStats
 from ds_lowcomm.config import LowCommConfig
 from ds_lowcomm.flat import FlatParams, GradAccumulator
@@ -94,6 +94,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
         self.mode = mode_cls(self, config.mode_options)
+        #: set by LowCommEngine.load_checkpoint while DeepSpeed loads: where the flat state is read
+        self.checkpoint_shards = None
 
     # -- training -------------------------------------------------------------------------------
 
@@ -216,26 +218,30 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def rank_state_dict(self) -> Optional[dict]:
-        """This rank's own state (a per-rank file next to DeepSpeed's), or None if the mode has none.
-        It carries this rank's loss scaler and skip counts too: DES-LOC replicas skip on their own
-        verdicts, so these may differ from rank 0's."""
-        state = self.mode.rank_state_dict()
-        if state is not None:
-            state["guard"] = {"loss_scaler": self._loss_scaler_state(), "skipped_steps": self.skipped_steps,
-                              "consecutive_skips": self.consecutive_skips}
-        return state
+    def rank_state_dict(self) -> dict:
+        """What this rank writes to its own file: its shards of the flat state (any world size
+        reads them back), its mode's per-rank state (same layout only), and its loss scaler and
+        skip counts (DES-LOC replicas skip on their own verdicts). No communication."""
+        return {"shards": self.mode.sharded_state(), "mode": self.mode.rank_state_dict(),
+                "guard": {"loss_scaler": self._loss_scaler_state(), "skipped_steps": self.skipped_steps,
+                          "consecutive_skips": self.consecutive_skips}}
 
     def load_rank_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`rank_state_dict` of the same rank (after :meth:`load_state_dict`)."""
+        if "shards" not in state:  # written before sharded saves: the mode's state alone
+            state = {"mode": state}
         guard = state.get("guard")
         if guard is not None:
             self._load_loss_scaler_state(guard["loss_scaler"])
             self.skipped_steps = guard["skipped_steps"]
             self.consecutive_skips = guard["consecutive_skips"]
-        self.mode.load_rank_state_dict(state)
+        if state["mode"] is not None:
+            self.mode.load_rank_state_dict(state["mode"])
 
     def state_dict(self) -> dict:
-        """Full, world-size independent state (collective: DeepSpeed calls it on every rank)."""
+        """The optimizer's metadata (DeepSpeed writes rank 0's into its model file): names,
+        shapes, hyperparameters, counters and how the flat state is cut into the rank files.
+        No communication; the state itself is in :meth:`rank_state_dict`."""
         return {"format": FORMAT, "mode": self.mode.name,
                 "param_names": self.param_names,
                 "param_shapes": [list(p.shape) for p in self.flat.params],
@@ -243,6 +249,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
                 "steps": self.steps, "micro_batches": self.micro_batches,
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "loss_scaler": self._loss_scaler_state(),
+                "shards": shard_meta(self.flat.layout, self.topology),
                 **self.mode.state_dict()}
 
     _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
@@ -259,15 +266,21 @@ class LowCommOptimizer(torch.optim.Optimizer):
                     setattr(self.loss_scaler, k, v)
 
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True, **_) -> None:
-        """Restore a :meth:`state_dict` written at any world size.
+        """Restore a :meth:`state_dict`, and the flat state it describes, written at any world size.
 
-        With ``load_optimizer_states=False`` only the fp32 master weights are taken (the moments
-        and step restart). Raises :class:`~ds_lowcomm.checkpoint.CheckpointError` for a checkpoint
-        of another model or mode.
+        The flat state is read from the checkpoint's rank files through ``checkpoint_shards`` (a
+        :class:`~ds_lowcomm.checkpoint.ShardReader`), which :meth:`LowCommEngine.load_checkpoint`
+        sets around DeepSpeed's call of this method. With ``load_optimizer_states=False`` only the
+        fp32 master is taken (the moments and step restart). Raises
+        :class:`~ds_lowcomm.checkpoint.CheckpointError` for a checkpoint of another model or mode.
         """
+        shards = self.checkpoint_shards
+        if shards is None:
+            raise CheckpointError("ds_lowcomm's optimizer state lives in the checkpoint's rank files: "
+                                  "load it with engine.load_checkpoint")
         check_same_model(state_dict, self.param_names, [list(p.shape) for p in self.flat.params])
         if not load_optimizer_states:
-            self.mode.load_state_dict({"master": state_dict["master"]})
+            self.mode.load_weights(shards)
             return
         if state_dict["mode"] != self.mode.name:
             raise CheckpointError(f"checkpoint was written in mode {state_dict['mode']!r}, this run "
@@ -280,4 +293,4 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.skipped_steps = state_dict.get("skipped_steps", 0)
         self.consecutive_skips = state_dict.get("consecutive_skips", 0)
         self._load_loss_scaler_state(state_dict.get("loss_scaler"))
-        self.mode.load_state_dict(state_dict)
+        self.mode.load_state_dict(state_dict, shards)

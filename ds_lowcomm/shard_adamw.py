@@ -8,7 +8,7 @@ kernel (fused where the device has one) so results match ``torch.optim.AdamW`` o
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
@@ -72,19 +72,15 @@ class ShardAdamW:
                 theta = self.master[sl].mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / bc1)
                 out[sl].copy_(theta)
 
-    def full_state(self, comm) -> dict:
-        """Master, moments (full, unpadded, fp32) and step count (collective over ``comm``)."""
-        from ds_lowcomm.checkpoint import gather_full
+    def sharded_state(self) -> dict:
+        """This rank's shards, as a checkpoint keeps them (no copy, no communication)."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
-        return {"step": self.step_count,
-                **{k: gather_full(comm, self.layout, getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}}
-
-    def load_full_state(self, state: dict) -> None:
-        """Restore from :meth:`full_state` of any world size; without moments they restart at 0."""
-        from ds_lowcomm.checkpoint import shard_of
-
+    def load_shards(self, shards, step: Optional[int]) -> None:
+        """Take this rank's shards from a :class:`~ds_lowcomm.checkpoint.ShardReader` (any saved
+        layout). ``step`` None: the master only, the moments and step count restart."""
         like = self.master
-        self.master = shard_of(state["master"], self.layout, like)
+        self.master = shards.shard("master", self.layout, like)
         for k in ("exp_avg", "exp_avg_sq"):
-            setattr(self, k, shard_of(state[k], self.layout, like) if k in state else torch.zeros_like(like))
-        self.step_count = int(state.get("step", 0))
+            setattr(self, k, torch.zeros_like(like) if step is None else shards.shard(k, self.layout, like))
+        self.step_count = 0 if step is None else int(step)

@@ -28,7 +28,8 @@ class Mode(abc.ABC):
     #: the mode decides when an optimizer step is taken (it calls ``opt.step_taken()``);
     #: DeepSpeed's engine then never sees an accumulation boundary of its own
     drives_steps: ClassVar[bool] = False
-    #: :meth:`rank_state_dict` returns state (checkpoints then need one file per rank)
+    #: :meth:`rank_state_dict` returns state tied to this rank (a resume then needs the layout
+    #: the checkpoint was saved with; the sharded state alone reshards)
     has_rank_state: ClassVar[bool] = False
 
     def __init__(self, opt: "LowCommOptimizer", options) -> None:
@@ -65,18 +66,30 @@ class Mode(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """Full optimizer state, independent of world size (collective: every rank calls it)."""
+        """Small metadata of the optimizer state (counters, flags): what goes into the model file.
+        No communication, no parameter-sized tensors."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`state_dict`, possibly written at another world size."""
+    def sharded_state(self) -> Dict[str, torch.Tensor]:
+        """This rank's shards of the flat state, written to its own file as they are (no copy,
+        no communication); read back by a :class:`~ds_lowcomm.checkpoint.ShardReader` at any
+        layout."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict, shards) -> None:
+        """Restore from :meth:`state_dict` and the shards (a ``ShardReader``)."""
+
+    @abc.abstractmethod
+    def load_weights(self, shards) -> None:
+        """Take the fp32 master from the shards (any mode's checkpoint); everything else
+        restarts, and the model gets the master."""
 
     def metrics(self) -> dict:
         """Mode-specific numbers for :meth:`LowCommOptimizer.comm_stats`."""
         return {}
 
     def rank_state_dict(self) -> Optional[dict]:
-        """State that differs between ranks (saved to a per-rank file), or None if there is none."""
+        """State tied to this rank and layout (saved in its file beside its shards), or None."""
         return None
 
     def load_rank_state_dict(self, state: dict) -> None:

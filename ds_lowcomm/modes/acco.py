@@ -204,27 +204,27 @@ class Acco(Mode):
 
     def state_dict(self) -> dict:
         self.settle()
-        state = self.adamw.full_state(self.opt.checkpoint_comm)
         pending = None
+        if self.ticket is not None:  # its parameters travel in the shards
+            pending = {"estimate": self.ticket.round.estimate, **self.ticket.round.verdict()}
+        return {"step": self.adamw.step_count,
+                "acco": {"variant": self.options.variant, "next_estimate": self.next_estimate,
+                         "pending": pending}}
+
+    def sharded_state(self) -> dict:
+        """Master and moments; with a round finished and not installed, this rank's slice of its
+        all-gathered result too (an estimate's parameters are nowhere else)."""
+        self.settle()
+        state = self.adamw.sharded_state()
         if self.ticket is not None:
-            rnd = self.ticket.round
-            pending = {"estimate": rnd.estimate, **rnd.verdict(),
-                       "params": self.opt.flat.unpadded(self.gathered).clone()}
-        state["acco"] = {"variant": self.options.variant, "next_estimate": self.next_estimate,
-                         "pending": pending}
+            state["pending_params"] = self.opt.flat.layout.shard(self.gathered).clone()  # not the whole buffer
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.adamw.load_full_state(state)
-        saved = state.get("acco")
+    def load_state_dict(self, state: dict, shards) -> None:
+        self.adamw.load_shards(shards, state["step"])
+        saved = state["acco"]
         self.ticket = None
         self.launched = 0
-        if saved is None:  # weights only: the schedule starts afresh from the master
-            self.next_estimate = self.two_rounds
-            self.since_switch = 0
-            self.opt.grads.zero_()
-            self.opt.set_params(state["master"])
-            return
         if saved["variant"] != self.options.variant:
             raise CheckpointError(f"checkpoint was written with lowcomm.acco.variant {saved['variant']!r}, "
                                   f"this run uses {self.options.variant!r}")
@@ -232,12 +232,22 @@ class Acco(Mode):
         pending = saved["pending"]
         if pending is not None:
             # Re-create the finished, not yet installed round: the next switch installs it.
-            self.opt.flat.unpadded(self.gathered).copy_(pending["params"])
+            self.opt.flat.unpadded(self.gathered).copy_(shards.full("pending_params", self.gathered))
             rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=0,
                                    estimate=pending["estimate"])
             rnd.restore_verdict(pending)
             self.ticket = Ticket(rnd)
             self.ticket.done.set()
+
+    def load_weights(self, shards) -> None:
+        """The schedule starts afresh from the master."""
+        self.adamw.load_shards(shards, None)
+        self.ticket = None
+        self.launched = 0
+        self.next_estimate = self.two_rounds
+        self.since_switch = 0
+        self.opt.grads.zero_()
+        self.opt.set_params(shards.full("master", self.adamw.master))
 
     def rank_state_dict(self) -> dict:
         grads = self.opt.grads

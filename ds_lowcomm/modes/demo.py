@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout, shard_of
+from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.modes import Mode, register, require_shard_group_size
@@ -251,29 +251,43 @@ class Demo(Mode):
                 "replica_bytes_sent_per_step": (r - 1) * self.codec.payload_bytes}
 
     def state_dict(self) -> dict:
-        """The master includes the update in flight, if any; ``pending`` says it has not reached
-        the model yet (the model's own weights are saved by DeepSpeed)."""
-        master = self.master_weights()
+        """``pending``: the master includes an update that has not reached the model yet (the
+        model's own weights are saved by DeepSpeed)."""
+        self.settle()
         pending = None if self.ticket is None else self.ticket.round.verdict()
-        return {"master": master, "step": self.step_count, "pending": pending}
+        return {"step": self.step_count, "pending": pending}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.master = shard_of(state["master"], self.opt.flat.layout, self.master)
-        self.step_count = int(state.get("step", 0))
+    def sharded_state(self) -> dict:
+        """The master, sharded over the shard group (every replica holds the same)."""
+        self.settle()
+        return {"master": self.master}
+
+    def load_state_dict(self, state: dict, shards) -> None:
+        self.master = shards.shard("master", self.opt.flat.layout, self.master)
+        self.step_count = int(state["step"])
         self.ticket = None
-        if "step" not in state:  # weights only: momentum restarts
-            self.delta.zero_()
         pending = state.get("pending")
-        if pending is None or not self.options.overlap:
-            self.opt.set_params(state["master"])  # saved with overlap, resumed without: installed now
+        if pending is None:
+            return  # the model file's weights are the master's last all-gather
+        master = shards.full("master", self.master)
+        if not self.options.overlap:
+            self.opt.set_params(master)  # saved with overlap, resumed without: installed now
             return
         # Re-create the finished, not yet installed round: the next boundary installs it, so the
         # model keeps the weights DeepSpeed restored until then.
-        self.opt.flat.unpadded(self.gathered).copy_(state["master"].to(self.gathered.dtype))
+        self.opt.flat.unpadded(self.gathered).copy_(master.to(self.gathered.dtype))
         rnd = DemoRound(self, self.send, self.gathered)
         rnd.restore_verdict(pending)
         self.ticket = Ticket(rnd)
         self.ticket.done.set()
+
+    def load_weights(self, shards) -> None:
+        """Momentum and step restart from the master."""
+        self.master = shards.shard("master", self.opt.flat.layout, self.master)
+        self.step_count = 0
+        self.ticket = None
+        self.delta.zero_()
+        self.opt.set_params(shards.full("master", self.master))
 
     def rank_state_dict(self) -> dict:
         """δ; with a look-ahead in force, also this rank's model parameters (its own look-ahead

@@ -124,19 +124,30 @@ class Desloc(Mode):
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
 
     def state_dict(self) -> dict:
-        return {"master": self.master_weights(), "step": self.adamw.step_count, "rounds": self.rounds}
+        return {"rounds": self.rounds}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.adamw.load_full_state(state)  # replica 0's master; moments come from the rank file
+    def sharded_state(self) -> dict:
+        """This replica's master shard (weights-only loads and the export take replica 0's)."""
+        return {"master": self.adamw.master}
+
+    def load_state_dict(self, state: dict, shards) -> None:
+        """This replica's own master; its moments and step count come with the rank state."""
+        topo = self.opt.topology
         self.rounds = int(state.get("rounds", state.get("step", 0)))
-        if self.outer:  # weights only: the outer optimizer restarts from them
+        self.adamw.load_shards(shards.of_replica(topo.rank // topo.shard_group_size), None)
+
+    def load_weights(self, shards) -> None:
+        """Replica 0's master for every replica; moments, steps and the outer optimizer restart."""
+        self.adamw.load_shards(shards, None)
+        self.rounds = 0
+        if self.outer:
             self.anchor = self.adamw.master.clone()
             self.outer_buf = torch.zeros_like(self.anchor)
-        self.opt.set_params(state["master"])
+        self.opt.set_params(shards.full("master", self.adamw.master))
 
     def rank_state_dict(self) -> dict:
         a = self.adamw
-        state = {**rank_layout(self.opt.topology), "master": a.master.clone(), "exp_avg": a.exp_avg.clone(),
+        state = {**rank_layout(self.opt.topology), "exp_avg": a.exp_avg.clone(),
                  "exp_avg_sq": a.exp_avg_sq.clone(), "step": a.step_count}
         if self.outer:
             state.update(anchor=self.anchor.clone(), outer_buf=self.outer_buf.clone())
@@ -144,7 +155,8 @@ class Desloc(Mode):
 
     def load_rank_state_dict(self, state: dict) -> None:
         check_rank_layout(state, self.opt.topology, "each replica's own AdamW state")
-        for k in ("master", "exp_avg", "exp_avg_sq"):
+        # ("master" only in checkpoints written before sharded saves)
+        for k in ("master", "exp_avg", "exp_avg_sq") if "master" in state else ("exp_avg", "exp_avg_sq"):
             getattr(self.adamw, k).copy_(state[k])
         self.adamw.step_count = int(state.get("step", self.adamw.step_count))  # this replica's own
         if self.outer:

@@ -56,9 +56,15 @@ class Zero1(Mode):
         return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
 
     def state_dict(self) -> dict:
-        return self.adamw.full_state(self.opt.checkpoint_comm)
+        return {"step": self.adamw.step_count}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore; a state holding only ``"master"`` restarts the moments and the step count."""
-        self.adamw.load_full_state(state)
-        self.opt.set_params(state["master"])
+    def sharded_state(self) -> dict:
+        return self.adamw.sharded_state()
+
+    def load_state_dict(self, state: dict, shards) -> None:
+        """The model's weights come from DeepSpeed's file: the master's last all-gather."""
+        self.adamw.load_shards(shards, state["step"])
+
+    def load_weights(self, shards) -> None:
+        self.adamw.load_shards(shards, None)
+        self.opt.set_params(shards.full("master", self.adamw.master))
