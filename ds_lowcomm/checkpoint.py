@@ -20,10 +20,12 @@ truncated and missing files, each with a :class:`CheckpointError` naming the fil
 Export::
 
     python -m ds_lowcomm.checkpoint export CHECKPOINT_DIR OUT.pt [--tag TAG]
+    python -m ds_lowcomm.checkpoint export CHECKPOINT_DIR model.safetensors
 
 writes ``{parameter name: fp32 tensor}`` (every name of the model's ``state_dict``, tied weights
 included, buffers as saved) from the fp32 master weights, what ``zero_to_fp32.py`` does for stock
-ZeRO.
+ZeRO; as safetensors (what Hugging Face's ``from_pretrained`` reads) when the output ends in
+``.safetensors``.
 """
 from __future__ import annotations
 
@@ -364,7 +366,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write plain fp32 weights (a torch state_dict) from a checkpoint")
     exp.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
-    exp.add_argument("output", help="output .pt file")
+    exp.add_argument("output", help="output file: .pt (torch.save), or .safetensors")
     exp.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file)")
     args = parser.parse_args(argv)
     try:
@@ -372,7 +374,21 @@ def main(argv=None) -> int:
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    torch.save(state, args.output)
+    if args.output.endswith(".safetensors"):
+        try:  # optional: installed with transformers
+            from safetensors.torch import save_file
+        except ImportError:
+            print("error: writing .safetensors needs the safetensors package: pip install safetensors",
+                  file=sys.stderr)
+            return 2
+        # safetensors refuses tensors that share memory: tied weights get their own copy.
+        seen, flat = set(), {}
+        for k, v in state.items():
+            flat[k] = v.clone() if v.data_ptr() in seen else v.contiguous()
+            seen.add(v.data_ptr())
+        save_file(flat, args.output, metadata={"format": "pt"})
+    else:
+        torch.save(state, args.output)
     n = sum(v.numel() for v in state.values())
     print(f"wrote {len(state)} tensors ({n:,} elements, fp32) to {args.output}")
     return 0

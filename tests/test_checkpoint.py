@@ -88,6 +88,14 @@ def test_resume_is_bit_identical(tmp_path, dtype):
     assert offset == r0["master"].numel()
     model = workers.tiny_gpt2()
     model.load_state_dict(exported)  # strict: every key of the model is there
+    # The same as safetensors, which Hugging Face loads.
+    from safetensors.torch import load_file
+
+    st = tmp_path / "model.safetensors"
+    subprocess.run([sys.executable, "-m", "ds_lowcomm.checkpoint", "export", str(tmp_path), str(st)],
+                   check=True, capture_output=True)
+    loaded = load_file(st)
+    assert loaded.keys() == exported.keys() and all(torch.equal(loaded[k], exported[k]) for k in loaded)
 
     # The 2-rank checkpoint loads on 1 rank: same master, and training goes on from it.
     (one,) = run_ranks(_load_and_train_alone, 1, str(tmp_path))
