@@ -108,6 +108,9 @@ def write_manifest(tag_dir: str, records: Dict[str, dict]) -> None:
                       json.dumps({"format": FORMAT, "files": records}, indent=1, sort_keys=True))
 
 
+_UNVERIFIED_WARNED: set = set()
+
+
 def verify_files(tag_dir: str, names: Iterable[str]) -> None:
     """Check the files ``names`` of a tag directory against its manifest (size, then sha256).
 
@@ -117,8 +120,10 @@ def verify_files(tag_dir: str, names: Iterable[str]) -> None:
     """
     path = os.path.join(tag_dir, MANIFEST)
     if not os.path.isfile(path):
-        logger.warning(f"ds_lowcomm: {tag_dir!r} has no {MANIFEST} (an older checkpoint, or a save "
-                       "that did not finish): its files are not verified")
+        if tag_dir not in _UNVERIFIED_WARNED:  # once per directory, not once per file
+            _UNVERIFIED_WARNED.add(tag_dir)
+            logger.warning(f"ds_lowcomm: {tag_dir!r} has no {MANIFEST} (an older checkpoint, or a "
+                           "save that did not finish): its files are not verified")
         return
     try:
         with open(path) as f:

@@ -146,6 +146,25 @@ def _load_errors(rank, world, save_dir, empty_dir):
     with open(os.path.join(save_dir, "latest")) as f:
         errors["latest_after_torn_save"] = f.read()
     engine.load_checkpoint(save_dir)
+
+    # A checkpoint in the format before sharded saves (the full state in the model file, no rank
+    # file, no manifest for zero1), rewritten from this one by hand: it still loads, exactly.
+    tag_dir = os.path.join(save_dir, "global_step1")
+    shards = torch.load(os.path.join(tag_dir, "lowcomm_rank00000.pt"), weights_only=True)["shards"]
+    model = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), weights_only=True)
+    numel = model["optimizer"]["shards"]["numel"]
+    legacy = {k: v for k, v in model["optimizer"].items() if k != "shards"}
+    legacy.update(format="ds_lowcomm/1", **{k: shards[k][:numel].clone() for k in shards})
+    legacy_dir = os.path.join(os.path.dirname(save_dir), "legacy")
+    os.makedirs(os.path.join(legacy_dir, "global_step1"))
+    torch.save({**model, "optimizer": legacy}, os.path.join(legacy_dir, "global_step1", "mp_rank_00_model_states.pt"))
+    with open(os.path.join(legacy_dir, "latest"), "w") as f:
+        f.write("global_step1")
+    fresh = workers.build_engine(workers.config("zero1"), seed=3)
+    fresh.load_checkpoint(legacy_dir)
+    a = fresh.optimizer.mode.adamw
+    errors["legacy_equal"] = all(torch.equal(getattr(a, k)[:numel], shards[k][:numel])
+                                 for k in ("master", "exp_avg", "exp_avg_sq")) and a.step_count == 1
     return errors
 
 
@@ -157,6 +176,7 @@ def test_checkpoint_errors(tmp_path):
     assert "[256, 32]" in errors["other_model"] and "[256, 48]" in errors["other_model"]
     assert "no checkpoint" in errors["missing"]
     assert errors["latest_after_torn_save"] == "global_step1"
+    assert errors["legacy_equal"]
 
 
 class _Planted:
