@@ -122,6 +122,7 @@ def test_trainer_trains_every_mode(tmp_path, mode, lowcomm):
     # acco's first update completes during the Trainer's second step: from then on a norm is logged
     assert all(e["grad_norm"] > 0 for e in train_logs[2:])
     assert train_logs[-1]["lowcomm/bytes_sent_per_step"] > 0  # desloc sends nothing at step 1
+    assert train_logs[-1]["lowcomm/skipped_steps"] == 0 and "lowcomm/loss_scale" not in train_logs[-1]
     if mode == "acco":
         assert [k for k in train_logs[-1] if "micro_batches_per_round/rank" in k] == [
             "lowcomm/micro_batches_per_round/rank0", "lowcomm/micro_batches_per_round/rank1"]
