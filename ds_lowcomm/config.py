@@ -111,30 +111,29 @@ class LowCommConfig:
     mode_options: Any = None
 
     @staticmethod
-    def from_dict(raw: Any) -> "LowCommConfig":
-        """Validate the raw ``"lowcomm"`` object. Raises :class:`LowCommConfigError`."""
-        from ds_lowcomm.modes import MODES
-
+    def from_dict(raw: Any, modes: Mapping[str, Any]) -> "LowCommConfig":
+        """Validate the raw ``"lowcomm"`` object against ``modes`` (the registry, name -> mode
+        class, :data:`ds_lowcomm.modes.modes`). Raises :class:`LowCommConfigError`."""
         if not isinstance(raw, Mapping):
             raise LowCommConfigError(f"{SECTION}: got {raw!r}; expected a JSON object such as "
                                      f'{{"mode": "zero1"}}')
         if "mode" not in raw:
-            raise LowCommConfigError(f"{SECTION}.mode: missing; set it to one of: {', '.join(MODES)}")
+            raise LowCommConfigError(f"{SECTION}.mode: missing; set it to one of: {', '.join(modes)}")
         mode = raw["mode"]
-        if mode not in MODES:
-            hint = difflib.get_close_matches(str(mode), list(MODES), n=1)
+        if mode not in modes:
+            hint = difflib.get_close_matches(str(mode), list(modes), n=1)
             did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise LowCommConfigError(f"{SECTION}.mode: got {mode!r}{did_you_mean}; "
-                                     f"allowed: {', '.join(MODES)}")
+                                     f"allowed: {', '.join(modes)}")
         fields = {f.name: f for f in dataclasses.fields(LowCommConfig) if f.name != "mode_options"}
-        reject_unknown_keys(SECTION, raw, list(fields) + list(MODES))
+        reject_unknown_keys(SECTION, raw, list(fields) + list(modes))
         hints = typing.get_type_hints(LowCommConfig)
         general = {k: _check_value(f"{SECTION}.{k}", v, hints[k], fields[k].metadata)
                    for k, v in raw.items() if k in fields}
         # Every mode's sub-object is validated, not only the selected one's, so switching "mode"
         # never reveals a latent typo.
-        sub = {name: parse_options(MODES[name].Options, raw.get(name), f"{SECTION}.{name}")
-               for name in MODES}
+        sub = {name: parse_options(modes[name].Options, raw.get(name), f"{SECTION}.{name}")
+               for name in modes}
         return LowCommConfig(mode_options=sub[mode], **general)
 
 
@@ -234,11 +233,10 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         check_adamw_hyperparameters(params, "optimizer.params")
 
 
-def parse(ds: Mapping[str, Any]) -> LowCommConfig:
-    """Validate a whole DeepSpeed config dict that has a ``"lowcomm"`` section."""
-    from ds_lowcomm.modes import MODES
-
-    cfg = LowCommConfig.from_dict(ds[SECTION])
+def parse(ds: Mapping[str, Any], modes: Mapping[str, Any]) -> LowCommConfig:
+    """Validate a whole DeepSpeed config dict that has a ``"lowcomm"`` section, given the mode
+    registry ``modes`` (handed in, not imported: the modes import this module)."""
+    cfg = LowCommConfig.from_dict(ds[SECTION], modes)
     check_deepspeed_config(ds)
-    MODES[cfg.mode].check_config(ds, cfg)
+    modes[cfg.mode].check_config(ds, cfg)
     return cfg

@@ -8,16 +8,15 @@ below are the engine hooks that have been stable since DeepSpeed 0.10:
 """
 from __future__ import annotations
 
-import os
+import functools
 from typing import Dict, List
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ds_lowcomm.checkpoint import (MANIFEST, MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
-                                   check_same_model, file_record, rank_file_name, reader_for, resolve_tag,
-                                   safe_load, verify_files, write_manifest)
+from ds_lowcomm.checkpoint import Checkpointer
 from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError, check_adamw_hyperparameters
+from ds_lowcomm.modes import MODES
 from ds_lowcomm.optimizer import LowCommOptimizer
 
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
@@ -102,7 +101,7 @@ class LowCommEngine(DeepSpeedEngine):
         self.enable_backward_allreduce = False
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
-        cfg = LowCommConfig.from_dict(self._config._param_dict[SECTION])
+        cfg = LowCommConfig.from_dict(self._config._param_dict[SECTION], MODES)
         names: Dict[int, List[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
@@ -113,6 +112,7 @@ class LowCommEngine(DeepSpeedEngine):
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             loss_scaler=_loss_scaler(self))
         self.optimizer.on_step_taken = self._after_lowcomm_step
+        self.checkpointer = Checkpointer(self.optimizer, self.global_rank, self.device)
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False
@@ -182,32 +182,16 @@ class LowCommEngine(DeepSpeedEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         """DeepSpeed's ``save_checkpoint`` (collective; its model file gets the weights and our
-        optimizer's metadata), plus one file per rank with what that rank owns (its shards of
-        the optimizer state, its mode's per-rank state), a manifest, and ``latest`` written last
-        (see :mod:`ds_lowcomm.checkpoint`): a save killed at any point leaves the previous
-        checkpoint the one that resumes. Communication besides DeepSpeed's: barriers and each
-        rank's file record (a few hundred bytes); no optimizer state is gathered."""
+        optimizer's metadata), plus one file per rank with what that rank owns, a manifest, and
+        ``latest`` written last (:class:`~ds_lowcomm.checkpoint.Checkpointer`): a save killed at
+        any point leaves the previous checkpoint the one that resumes. Communication besides
+        DeepSpeed's: a barrier and each rank's file record; no optimizer state is gathered."""
         # First, so every rank tags the same step: under acco a rank may be one launch behind.
         self.optimizer.settle()
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)
-        tag_dir = os.path.join(save_dir, tag)
-        if self.global_rank == 0 and os.path.isfile(os.path.join(tag_dir, MANIFEST)):
-            os.remove(os.path.join(tag_dir, MANIFEST))  # re-saving a tag: never vouch for a mix
-        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False,
-                                      **kwargs)  # ends with a barrier: DeepSpeed's files are complete
-        name = rank_file_name(self.global_rank)
-        atomic_save(self.optimizer.rank_state_dict(), os.path.join(tag_dir, name))
-        records = {name: file_record(os.path.join(tag_dir, name))}
-        if self.global_rank == 0:
-            records[MODEL_FILE] = file_record(os.path.join(tag_dir, MODEL_FILE))
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, records)
-        if self.global_rank == 0:
-            write_manifest(tag_dir, {k: v for r in everyone for k, v in r.items()})
-            if save_latest:
-                atomic_write_text(os.path.join(save_dir, "latest"), tag)
-        torch.distributed.barrier()
-        return out
+        deepspeed_save = functools.partial(super().save_checkpoint, save_dir, tag=tag, client_state=client_state,
+                                           save_latest=False, **kwargs)
+        return self.checkpointer.save(save_dir, tag, save_latest, deepspeed_save)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         **kwargs):
@@ -217,57 +201,7 @@ class LowCommEngine(DeepSpeedEngine):
         checkpoint raises :class:`~ds_lowcomm.checkpoint.CheckpointError` naming the file, on
         every rank (stock DeepSpeed only warns and returns ``(None, None)`` when ``latest`` is
         missing)."""
-        try:
-            tag = resolve_tag(load_dir, tag)
-            shards, rank_state = self._read_checkpoint(os.path.join(load_dir, str(tag)), load_optimizer_states)
-            error = None
-        except CheckpointError as err:
-            error = str(err)
-        # One verdict for every rank (a few bytes): a rank whose files are bad must not leave the
-        # others waiting in DeepSpeed's load.
-        errors = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(errors, error)
-        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if bad:
-            raise CheckpointError(error if error is not None else f"rank {bad[0][0]}: {bad[0][1]}")
-        opt = self.optimizer
-        opt.checkpoint_shards = shards  # read by opt.load_state_dict, which DeepSpeed calls
-        try:
-            out = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
-                                          load_optimizer_states=load_optimizer_states, **kwargs)
-            if not load_optimizer_states and not kwargs.get("load_module_only"):
-                # DeepSpeed (0.19.8) then leaves the optimizer alone, which would keep the fp32
-                # master of this run's start and overwrite the loaded weights at the next step.
-                opt.load_state_dict(shards.saved_meta, load_optimizer_states=False)
-        finally:
-            opt.checkpoint_shards = None
-        if rank_state is not None:
-            opt.load_rank_state_dict(rank_state)
-        return out
-
-    def _read_checkpoint(self, tag_dir: str, load_optimizer_states: bool):
-        """This rank's checks and safe reads, before DeepSpeed touches anything: returns the
-        reader of the flat state (the files of this rank's new shard already checked against the
-        manifest) and this rank's own file, when its mode keeps per-rank state (else None)."""
-        path = os.path.join(tag_dir, MODEL_FILE)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
-                                  f"{os.path.basename(tag_dir)!r} in {os.path.dirname(tag_dir)!r}")
-        opt = self.optimizer
-        needs_rank_state = load_optimizer_states and opt.mode.has_rank_state
-        rank_name = rank_file_name(self.global_rank)
-        rank_path = os.path.join(tag_dir, rank_name)
-        if needs_rank_state and not os.path.isfile(rank_path):
-            raise CheckpointError(
-                f"{rank_path!r} does not exist: this mode keeps per-rank state and the checkpoint has "
-                f"none for rank {self.global_rank} (saved with fewer ranks, or by another mode?); "
-                f"load with load_optimizer_states=False to take the weights only")
-        verify_files(tag_dir, [MODEL_FILE])
-        saved = safe_load(path, mmap=True).get("optimizer")  # also vets the file DeepSpeed unpickles
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
-        check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
-        shards = reader_for(tag_dir, saved)
-        layout = opt.flat.layout
-        shards.verify(shards.files_for(layout.shard_start, layout.shard_size) + ([rank_name] if needs_rank_state else []))
-        return shards, (safe_load(rank_path, map_location=self.device) if needs_rank_state else None)
+        load_states = load_optimizer_states and not kwargs.get("load_module_only")
+        deepspeed_load = functools.partial(super().load_checkpoint, load_dir, load_module_strict=load_module_strict,
+                                           load_optimizer_states=load_optimizer_states, **kwargs)
+        return self.checkpointer.load(load_dir, tag, load_states, deepspeed_load)

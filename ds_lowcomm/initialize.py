@@ -15,6 +15,7 @@ import deepspeed
 import torch
 
 from ds_lowcomm.config import SECTION, LowCommConfigError, parse
+from ds_lowcomm.modes import MODES
 
 _original_initialize = deepspeed.initialize
 
@@ -55,7 +56,7 @@ def initialize(*args, **kwargs):
     ds_config = _resolve_config(bound)
     if ds_config is None or SECTION not in ds_config:
         return _original_initialize(*args, **kwargs)
-    cfg = parse(ds_config)
+    cfg = parse(ds_config, MODES)
     a = bound.arguments
     if a.get("model") is None:
         raise LowCommConfigError("model: deepspeed.initialize needs a model")

@@ -24,6 +24,7 @@ import torch
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, check_same_model, shard_meta
 from ds_lowcomm.comm import CommStats
 from ds_lowcomm.config import LowCommConfig
+from ds_lowcomm.context import ModeContext
 from ds_lowcomm.flat import FlatParams, GradAccumulator
 from ds_lowcomm.modes import MODES
 from ds_lowcomm.topology import Topology
@@ -93,7 +94,12 @@ class LowCommOptimizer(torch.optim.Optimizer):
         # skipped-step count) and by accelerate (``step_was_skipped``): the latest verdict.
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
-        self.mode = mode_cls(self, config.mode_options)
+        self.mode = mode_cls(ModeContext(
+            flat=self.flat, grads=self.grads, topology=self.topology, worker=self.worker,
+            param_groups=self.param_groups, comm_dtype=comm_dtype, gradient_clipping=self.gradient_clipping,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
+            _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
+            record_step=self.record_step), config.mode_options)
         #: set by LowCommEngine.load_checkpoint while DeepSpeed loads: where the flat state is read
         self.checkpoint_shards = None
 
@@ -194,11 +200,6 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Stop the comm worker and remove the gradient hooks (``engine.destroy()`` calls it)."""
         self.worker.close()
         self.grads.remove_hooks()
-
-    @torch.no_grad()
-    def set_params(self, full: torch.Tensor) -> None:
-        """Write an unpadded flat fp32 tensor into the model's parameters (no communication)."""
-        self.flat.unpadded(self.flat.buffer).copy_(full.to(self.flat.buffer.dtype))
 
     def master_weights(self) -> torch.Tensor:
         """Full unpadded fp32 master weights (collective)."""

@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
+from ds_lowcomm.context import ModeContext
 from ds_lowcomm.round import StepRound
 from ds_lowcomm.shard_adamw import ShardAdamW
-
-if TYPE_CHECKING:
-    from ds_lowcomm.optimizer import LowCommOptimizer
 
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 
@@ -83,14 +81,14 @@ class ShardedStepRound(StepRound):
     master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
     """
 
-    def __init__(self, opt: "LowCommOptimizer", adamw: ShardAdamW, grads: torch.Tensor,
+    def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
                  local_count: Optional[int] = None, estimate: bool = False,
                  after_update: Optional[Callable[[], None]] = None) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
         super().__init__()
-        self.opt, self.adamw, self.grads, self.target = opt, adamw, grads, target
+        self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
         self.after_update = after_update
         #: with ``local_count``: the micro-batches each rank summed into this round
@@ -98,13 +96,13 @@ class ShardedStepRound(StepRound):
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
-        self.hyper: List[dict] = [{k: g[k] for k in HYPERPARAMS} for g in self.opt.param_groups]
+        self.hyper: List[dict] = [{k: g[k] for k in HYPERPARAMS} for g in self.ctx.param_groups]
         # fp16: the loss scale the gradients were computed with (the optimizer rescales what is
         # accumulated when the scale changes, so one value holds for the whole sum).
-        self.capture_step(self.opt.loss_scale, self.opt.steps)
+        self.capture_step(self.ctx.loss_scale, self.ctx.steps)
 
     def run(self) -> None:
-        comm, layout = self.opt.topology.shard, self.opt.flat.layout
+        comm, layout = self.ctx.topology.shard, self.ctx.flat.layout
         scale = self.scale
         if self.local_count is not None:
             # A vector, not the sum: every rank learns every rank's count (metrics) at no extra call.
@@ -112,13 +110,13 @@ class ShardedStepRound(StepRound):
             counts[comm.rank] = self.local_count
             comm.all_reduce(counts)
             self.rank_counts = [int(c) for c in counts.tolist()]
-            scale = self.opt.gradient_accumulation_steps / sum(self.rank_counts)
-        send = self.grads if self.grads.dtype == self.opt.comm_dtype else self.grads.to(self.opt.comm_dtype)
+            scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
+        send = self.grads if self.grads.dtype == self.ctx.comm_dtype else self.grads.to(self.ctx.comm_dtype)
         recv = send.new_empty(layout.shard_size)
         comm.reduce_scatter(recv, send)
         grad = recv.float() if recv.dtype != torch.float32 else recv
         grad.mul_(scale / self.loss_scale)
-        self.grad_norm = clip_by_global_norm(comm, grad, self.opt.gradient_clipping)
+        self.grad_norm = clip_by_global_norm(comm, grad, self.ctx.gradient_clipping)
         self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank
         if self.skipped:
             self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
@@ -136,4 +134,4 @@ class ShardedStepRound(StepRound):
 
     def install(self) -> None:
         if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's
-            self.opt.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
+            self.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)

@@ -1,7 +1,8 @@
 """CommWorker: where rounds run, the only issuer of collectives during training.
 
-``submit(round)`` returns a :class:`Ticket`; ``poll``/``wait`` tell when the round's ``run()`` is
-over. Two ways of running:
+``submit(round)`` returns a :class:`Ticket`, a :class:`concurrent.futures.Future` resolved when
+the round's ``run()`` is over; ``poll``/``wait`` ask it (and order CUDA streams). Two ways of
+running:
 
 - inline (synchronous modes): ``run()`` executes inside ``submit`` on the training thread, all of
   its time is exposed;
@@ -19,6 +20,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as concurrent_wait
 from typing import Optional
 
 import torch
@@ -27,15 +30,22 @@ from ds_lowcomm.comm import CommStats
 from ds_lowcomm.round import Round
 
 
-class Ticket:
-    """A submitted round: ``done`` is set when ``run()`` returned (or raised ``error``)."""
+class Ticket(Future):
+    """A submitted round: resolved (result None) when its ``run()`` returned, or with the error
+    it raised. A round restored from a checkpoint is a :meth:`completed` ticket."""
 
     def __init__(self, rnd: Round) -> None:
+        super().__init__()
         self.round = rnd
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
         self.ready_event = None  # CUDA: inputs ready on the training stream
         self.done_event = None   # CUDA: outputs ready on the side stream
+
+    @classmethod
+    def completed(cls, rnd: Round) -> "Ticket":
+        """A ticket for a round whose ``run()`` is already over (e.g. restored from a checkpoint)."""
+        ticket = cls(rnd)
+        ticket.set_result(None)
+        return ticket
 
 
 class CommWorker:
@@ -60,7 +70,7 @@ class CommWorker:
             t0 = time.perf_counter()
             self._execute(ticket)
             self.stats.wait_seconds += time.perf_counter() - t0
-            self._raise(ticket)
+            ticket.result()  # raises the round's error
             return ticket
         if self.cuda:
             ticket.ready_event = torch.cuda.Event()
@@ -71,18 +81,18 @@ class CommWorker:
 
     def poll(self, ticket: Ticket) -> bool:
         """True once the round has run (raises its error if it failed). Never blocks."""
-        if not ticket.done.is_set():
+        if not ticket.done():
             return False
-        self._raise(ticket)
+        ticket.result()
         return True
 
     def wait(self, ticket: Ticket) -> None:
         """Block until the round has run; on CUDA also order the training stream after it."""
-        if not ticket.done.is_set():
+        if not ticket.done():
             t0 = time.perf_counter()
-            ticket.done.wait()
+            concurrent_wait([ticket])
             self.stats.wait_seconds += time.perf_counter() - t0
-        self._raise(ticket)
+        ticket.result()
         if ticket.done_event is not None:
             torch.cuda.current_stream().wait_event(ticket.done_event)
 
@@ -109,18 +119,17 @@ class CommWorker:
 
     def _execute(self, ticket: Ticket, stream=None) -> None:
         t0 = time.perf_counter()
+        error = None
         try:
             ticket.round.run()
             if stream is not None:
                 ticket.done_event.record(stream)
                 ticket.done_event.synchronize()
         except BaseException as err:  # re-raised on the training thread by poll/wait
-            ticket.error = err
+            error = err
         self.stats.rounds += 1
         self.stats.round_seconds += time.perf_counter() - t0
-        ticket.done.set()
-
-    @staticmethod
-    def _raise(ticket: Ticket) -> None:
-        if ticket.error is not None:
-            raise ticket.error
+        if error is None:
+            ticket.set_result(None)
+        else:
+            ticket.set_exception(error)

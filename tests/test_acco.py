@@ -172,7 +172,7 @@ def _resume(rank, world, save_dir, total, cut):
     first = workers.build_engine(acco_config())
     l_resumed = []
     run(first, 0, cut, l_resumed)
-    in_flight = first.optimizer.mode.ticket is not None
+    in_flight = first.optimizer.mode.inflight.round is not None
     first.save_checkpoint(save_dir, client_state={"j": cut})
     second = workers.build_engine(acco_config(), seed=99)
     _, client = second.load_checkpoint(save_dir)

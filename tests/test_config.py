@@ -5,11 +5,17 @@ from pathlib import Path
 
 import pytest
 
-from ds_lowcomm.config import LowCommConfig, LowCommConfigError, parse
+from ds_lowcomm.config import LowCommConfig, LowCommConfigError
+from ds_lowcomm.config import parse as parse_with
+from ds_lowcomm.modes import MODES
 import workers
 from workers import config
 
 GOOD = config("zero1")
+
+
+def parse(ds):
+    return parse_with(ds, MODES)
 
 
 def variant(edit):

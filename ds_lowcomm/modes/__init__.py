@@ -1,130 +1,26 @@
-"""Modes: what a round sends and how the shard is updated. One file per mode.
+"""The mode registry: what a round sends and how the shard is updated, one file per mode.
 
-A mode subclasses :class:`Mode`, declares its JSON options as a dataclass ``Options`` (validated as
-the ``"lowcomm": {"<name>": {...}}`` sub-object by :mod:`ds_lowcomm.config`), and is registered
-here with :func:`register`. Nothing else in the package needs to change to add one.
+A mode subclasses :class:`~ds_lowcomm.modes.base.Mode`, declares its JSON options as a dataclass
+``Options`` (validated as the ``"lowcomm": {"<name>": {...}}`` sub-object by
+:mod:`ds_lowcomm.config`, which is handed :data:`MODES`), and is listed here. The registry imports
+the modes; no mode imports it.
 """
 from __future__ import annotations
 
-import abc
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, Dict, Optional, Type
+from typing import Dict, Type
 
-import torch
+from ds_lowcomm.modes.acco import Acco
+from ds_lowcomm.context import ModeContext
+from ds_lowcomm.modes.base import Mode
+from ds_lowcomm.modes.demo import Demo
+from ds_lowcomm.modes.desloc import Desloc
+from ds_lowcomm.modes.zero1 import Zero1
 
-if TYPE_CHECKING:
-    from ds_lowcomm.optimizer import LowCommOptimizer
+MODES: Dict[str, Type[Mode]] = {cls.name: cls for cls in (Zero1, Acco, Demo, Desloc)}
 
+for _cls in MODES.values():
+    if not dataclasses.is_dataclass(_cls.Options):
+        raise TypeError(f"{_cls.__name__}.Options must be a dataclass")
 
-class Mode(abc.ABC):
-    """The algorithm behind a :class:`~ds_lowcomm.optimizer.LowCommOptimizer`.
-
-    The optimizer owns the flat buffers, the gradient accumulator, the topology and the comm
-    worker; the mode owns its optimizer state and decides what rounds to run and when.
-    """
-
-    name: ClassVar[str]
-    Options: ClassVar[type]
-    #: the mode decides when an optimizer step is taken (it calls ``opt.step_taken()``);
-    #: DeepSpeed's engine then never sees an accumulation boundary of its own
-    drives_steps: ClassVar[bool] = False
-    #: :meth:`rank_state_dict` returns state tied to this rank (a resume then needs the layout
-    #: the checkpoint was saved with; the sharded state alone reshards)
-    has_rank_state: ClassVar[bool] = False
-
-    def __init__(self, opt: "LowCommOptimizer", options) -> None:
-        self.opt = opt
-        self.options = options
-
-    @classmethod
-    def is_asynchronous(cls, options) -> bool:
-        """Whether rounds run on a background CommWorker thread / side stream instead of inline."""
-        return False
-
-    @classmethod
-    def check_config(cls, ds: dict, cfg) -> None:
-        """Reject settings this mode cannot run: ``ds`` the DeepSpeed JSON, ``cfg`` the parsed
-        :class:`~ds_lowcomm.config.LowCommConfig` (raise ``LowCommConfigError``)."""
-
-    def on_micro_batch_end(self, boundary: bool) -> None:
-        """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
-
-    @abc.abstractmethod
-    def step(self) -> None:
-        """At an accumulation boundary: communicate and update (possibly asynchronously)."""
-
-    def flush(self) -> None:
-        """Finish and install any round in flight, so the model holds the latest update."""
-
-    def settle(self) -> None:
-        """Make the optimizer state stable and the same step on every rank, without changing the
-        model (collective; before a checkpoint is tagged and written)."""
-
-    @abc.abstractmethod
-    def master_weights(self) -> torch.Tensor:
-        """The full fp32 master weights, unpadded flat (collective: every rank must call it)."""
-
-    @abc.abstractmethod
-    def state_dict(self) -> dict:
-        """Small metadata of the optimizer state (counters, flags): what goes into the model file.
-        No communication, no parameter-sized tensors."""
-
-    @abc.abstractmethod
-    def sharded_state(self) -> Dict[str, torch.Tensor]:
-        """This rank's shards of the flat state, written to its own file as they are (no copy,
-        no communication); read back by a :class:`~ds_lowcomm.checkpoint.ShardReader` at any
-        layout."""
-
-    @abc.abstractmethod
-    def load_state_dict(self, state: dict, shards) -> None:
-        """Restore from :meth:`state_dict` and the shards (a ``ShardReader``)."""
-
-    @abc.abstractmethod
-    def load_weights(self, shards) -> None:
-        """Take the fp32 master from the shards (any mode's checkpoint); everything else
-        restarts, and the model gets the master."""
-
-    def metrics(self) -> dict:
-        """Mode-specific numbers for :meth:`LowCommOptimizer.comm_stats`."""
-        return {}
-
-    def rank_state_dict(self) -> Optional[dict]:
-        """State tied to this rank and layout (saved in its file beside its shards), or None."""
-        return None
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`rank_state_dict` of the same rank."""
-
-
-def require_one_shard_group(opt: "LowCommOptimizer", mode: str) -> None:
-    """For modes that shard over the whole world: reject a smaller ``shard_group_size`` (the shard
-    groups would otherwise train as independent replicas, silently)."""
-    from ds_lowcomm.config import LowCommConfigError
-
-    topo = opt.topology
-    if topo.replica is not None:
-        raise LowCommConfigError(
-            f"lowcomm.shard_group_size: got {topo.shard_group_size}; mode {mode!r} shards over all "
-            f"{topo.world_size} ranks, remove the key or set it to {topo.world_size}")
-
-
-def require_shard_group_size(cfg, mode: str, why: str) -> None:
-    """For modes whose replicas are the shard groups: ``shard_group_size`` must be given."""
-    from ds_lowcomm.config import LowCommConfigError
-
-    if cfg.shard_group_size is None:
-        raise LowCommConfigError(f"lowcomm.shard_group_size: mode {mode!r} {why}; set it to the ranks per "
-                                 f"node (1 = every rank its own replica)")
-
-
-MODES: Dict[str, Type[Mode]] = {}
-
-
-def register(cls: Type[Mode]) -> Type[Mode]:
-    if not dataclasses.is_dataclass(cls.Options):
-        raise TypeError(f"{cls.__name__}.Options must be a dataclass")
-    MODES[cls.name] = cls
-    return cls
-
-
-from ds_lowcomm.modes import acco, demo, desloc, zero1  # noqa: E402,F401  (registers)
+__all__ = ["MODES", "Mode", "ModeContext"]

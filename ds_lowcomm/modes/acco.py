@@ -32,19 +32,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, List, Optional
+from typing import Deque, List
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, gather_full, rank_layout
+from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
-from ds_lowcomm.modes import Mode, register, require_one_shard_group
+from ds_lowcomm.flat import gather_full
+from ds_lowcomm.inflight import InFlight
+from ds_lowcomm.context import ModeContext
+from ds_lowcomm.modes.base import Mode, require_one_shard_group
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
-from ds_lowcomm.worker import Ticket
-
-if TYPE_CHECKING:
-    from ds_lowcomm.optimizer import LowCommOptimizer
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,6 @@ class AccoOptions:
                                             "in flight instead of waiting for it")
 
 
-@register
 class Acco(Mode):
     """ACCO (or DPU): sharded AdamW rounds on the CommWorker, overlapped with backward passes."""
 
@@ -76,17 +74,17 @@ class Acco(Mode):
                 f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
                 f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
 
-    def __init__(self, opt: "LowCommOptimizer", options: AccoOptions) -> None:
-        super().__init__(opt, options)
-        require_one_shard_group(opt, self.name)
-        gas = opt.gradient_accumulation_steps
+    def __init__(self, ctx: ModeContext, options: AccoOptions) -> None:
+        super().__init__(ctx, options)
+        require_one_shard_group(ctx, self.name)
+        gas = ctx.gradient_accumulation_steps
         self.two_rounds = options.variant == "acco"
         self.per_round = gas // 2 if self.two_rounds else gas
-        layout = opt.flat.layout
-        self.adamw = ShardAdamW(layout, opt.flat.buffer)
-        self.send = torch.zeros(layout.padded, dtype=opt.comm_dtype, device=opt.flat.device)
-        self.gathered = torch.zeros_like(opt.flat.buffer)
-        self.ticket: Optional[Ticket] = None  # the round in flight, or finished and not installed
+        layout = ctx.flat.layout
+        self.adamw = ShardAdamW(layout, ctx.flat.buffer)
+        self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
+        self.gathered = torch.zeros_like(ctx.flat.buffer)
+        self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
         self.next_estimate = self.two_rounds
         self.since_switch = 0
         self.launched = 0  # rounds launched since the start or the last load (equal on all ranks then)
@@ -103,11 +101,11 @@ class Acco(Mode):
         say so before every backward); a DeepSpeed loop that calls ``engine.step()`` every
         micro-batch says nothing, and acco keeps its own count."""
         self.since_switch += 1
-        if self.since_switch >= self.per_round and not (
-                self.ticket is not None and self.options.accumulate_while_waiting
-                and not self.opt.worker.poll(self.ticket)):  # else: compute another micro-batch
-            self._switch()
-        step_open = self.since_switch or (self.ticket is not None and self.ticket.round.estimate)
+        if self.since_switch >= self.per_round and (
+                not self.options.accumulate_while_waiting or self.inflight.ready()):
+            self._switch()  # else: compute another micro-batch while the round runs
+        pending = self.inflight.round
+        step_open = self.since_switch or (pending is not None and pending.estimate)
         if boundary and step_open and not self.options.accumulate_while_waiting:
             # The loop's step ended early (the Trainer's shorter last step of an epoch): take the
             # step now, so the loop's step count and ours stay equal; if its estimate round was
@@ -117,8 +115,7 @@ class Acco(Mode):
 
     def _switch(self) -> None:
         """Install the finished round (if any) and launch the next one."""
-        if self.ticket is not None:
-            self._install()
+        self._install()
         self._launch()
 
     def _align(self) -> None:
@@ -129,27 +126,23 @@ class Acco(Mode):
         same micro-batches on every rank and saves at its own step count): the ranks behind
         launch it now, with what they have accumulated, instead of leaving its peers waiting.
         """
-        counts = torch.zeros(self.opt.topology.world_size, dtype=torch.float64, device=self.opt.flat.device)
-        counts[self.opt.topology.rank] = self.launched
-        self.opt.topology.control.all_reduce(counts)
+        counts = torch.zeros(self.ctx.topology.world_size, dtype=torch.float64, device=self.ctx.flat.device)
+        counts[self.ctx.topology.rank] = self.launched
+        self.ctx.topology.control.all_reduce(counts)
         behind = int(counts.max().item()) - self.launched
         if behind > 1:
-            raise RuntimeError(f"acco: rank {self.opt.topology.rank} is {behind} rounds behind its peers")
+            raise RuntimeError(f"acco: rank {self.ctx.topology.rank} is {behind} rounds behind its peers")
         if behind == 1:
             self._switch()
 
     def _install(self) -> None:
-        """Make the finished round's result the model's parameters."""
-        self.opt.worker.wait(self.ticket)
-        rnd = self.ticket.round
-        self.ticket = None
-        self.opt.flat.buffer.copy_(self.gathered)
-        rnd.install()
-        if rnd.rank_counts is not None:
+        """Make the finished round's result (if any) the model's parameters."""
+        rnd = self.inflight.install()
+        if rnd is not None and rnd.rank_counts is not None:
             self.rank_round_counts.append(rnd.rank_counts)
 
     def _launch(self) -> None:
-        grads = self.opt.grads
+        grads = self.ctx.grads
         self.send.copy_(grads.buffer)
         count = grads.micro_batches
         if not self.next_estimate:
@@ -157,10 +150,10 @@ class Acco(Mode):
             # the first half, so the accumulator is cleared after real rounds only (clearing it
             # after estimates too would degrade ACCO to DPU).
             grads.zero_()
-        rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=count,
+        rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=count,
                                estimate=self.next_estimate)
         rnd.pack()
-        self.ticket = self.opt.worker.submit(rnd)
+        self.inflight.launch(rnd)
         self.round_counts.append(count)
         self.block_sizes.append(self.since_switch)
         self.next_estimate = self.two_rounds and not self.next_estimate
@@ -170,7 +163,7 @@ class Acco(Mode):
             # The step is taken: its gradient is final and its update in flight (it reaches the
             # model at the next switch). After pack(), so the scheduler step this triggers
             # gives the next round, not this one, the next learning rate.
-            self.opt.step_taken()
+            self.ctx.step_taken()
 
     def step(self) -> None:
         """Unused: ACCO's steps are driven from the backward passes (``drives_steps``)."""
@@ -179,8 +172,7 @@ class Acco(Mode):
         """Align the ranks' rounds, then wait for the round in flight (without installing it): the
         optimizer state is then stable. Collective."""
         self._align()
-        if self.ticket is not None:
-            self.opt.worker.wait(self.ticket)
+        self.inflight.settle()
 
     def flush(self) -> None:
         """Give the model the latest real parameters θ (the master), e.g. before a final export.
@@ -188,13 +180,13 @@ class Acco(Mode):
         The pending round, if any, stays pending; training may go on after a flush.
         """
         self.settle()
-        self.opt.set_params(self.master_weights())
+        self.ctx.set_params(self.master_weights())
 
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
         self.settle()
-        return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
+        return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 
     def metrics(self) -> dict:
         recent = list(self.round_counts)[-16:]
@@ -204,9 +196,9 @@ class Acco(Mode):
 
     def state_dict(self) -> dict:
         self.settle()
-        pending = None
-        if self.ticket is not None:  # its parameters travel in the shards
-            pending = {"estimate": self.ticket.round.estimate, **self.ticket.round.verdict()}
+        pending = self.inflight.verdict()  # its parameters travel in the shards
+        if pending is not None:
+            pending["estimate"] = self.inflight.round.estimate
         return {"step": self.adamw.step_count,
                 "acco": {"variant": self.options.variant, "next_estimate": self.next_estimate,
                          "pending": pending}}
@@ -216,14 +208,14 @@ class Acco(Mode):
         all-gathered result too (an estimate's parameters are nowhere else)."""
         self.settle()
         state = self.adamw.sharded_state()
-        if self.ticket is not None:
-            state["pending_params"] = self.opt.flat.layout.shard(self.gathered).clone()  # not the whole buffer
+        if self.inflight.round is not None:
+            state["pending_params"] = self.ctx.flat.layout.shard(self.gathered).clone()  # not the whole buffer
         return state
 
     def load_state_dict(self, state: dict, shards) -> None:
         self.adamw.load_shards(shards, state["step"])
         saved = state["acco"]
-        self.ticket = None
+        self.inflight.drop()
         self.launched = 0
         if saved["variant"] != self.options.variant:
             raise CheckpointError(f"checkpoint was written with lowcomm.acco.variant {saved['variant']!r}, "
@@ -232,32 +224,29 @@ class Acco(Mode):
         pending = saved["pending"]
         if pending is not None:
             # Re-create the finished, not yet installed round: the next switch installs it.
-            self.opt.flat.unpadded(self.gathered).copy_(shards.full("pending_params", self.gathered))
-            rnd = ShardedStepRound(self.opt, self.adamw, self.send, self.gathered, local_count=0,
+            rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=0,
                                    estimate=pending["estimate"])
-            rnd.restore_verdict(pending)
-            self.ticket = Ticket(rnd)
-            self.ticket.done.set()
+            self.inflight.restore(rnd, pending, shards.full("pending_params", self.gathered))
 
     def load_weights(self, shards) -> None:
         """The schedule starts afresh from the master."""
         self.adamw.load_shards(shards, None)
-        self.ticket = None
+        self.inflight.drop()
         self.launched = 0
         self.next_estimate = self.two_rounds
         self.since_switch = 0
-        self.opt.grads.zero_()
-        self.opt.set_params(shards.full("master", self.adamw.master))
+        self.ctx.grads.zero_()
+        self.ctx.set_params(shards.full("master", self.adamw.master))
 
     def rank_state_dict(self) -> dict:
-        grads = self.opt.grads
-        return {**rank_layout(self.opt.topology), "accumulator": grads.buffer.clone(),
+        grads = self.ctx.grads
+        return {**rank_layout(self.ctx.topology), "accumulator": grads.buffer.clone(),
                 "micro_batches": grads.micro_batches, "since_switch": self.since_switch,
                 "round_counts": list(self.round_counts), "block_sizes": list(self.block_sizes)}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        check_rank_layout(state, self.opt.topology, "the gradients each rank had accumulated mid-step")
-        grads = self.opt.grads
+        check_rank_layout(state, self.ctx.topology, "the gradients each rank had accumulated mid-step")
+        grads = self.ctx.grads
         grads.buffer.copy_(state["accumulator"])
         grads.micro_batches = state["micro_batches"]
         self.since_switch = state["since_switch"]

@@ -36,21 +36,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List
 
 import torch
 
-from ds_lowcomm.checkpoint import check_rank_layout, gather_full, rank_layout
+from ds_lowcomm.checkpoint import check_rank_layout, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
-from ds_lowcomm.modes import Mode, register, require_shard_group_size
+from ds_lowcomm.flat import gather_full
+from ds_lowcomm.inflight import InFlight
+from ds_lowcomm.context import ModeContext
+from ds_lowcomm.modes.base import Mode, require_shard_group_size
 from ds_lowcomm.round import StepRound
 from ds_lowcomm.sharded_step import clip_by_global_norm, clip_scale, nonfinite_ranks
-from ds_lowcomm.worker import Ticket
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
-    from ds_lowcomm.optimizer import LowCommOptimizer
 
 
 @dataclass(frozen=True)
@@ -90,20 +91,20 @@ class DemoRound(StepRound):
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
-        opt = self.mode.opt
-        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in opt.param_groups]
-        self.capture_step(opt.loss_scale, opt.steps)
+        ctx = self.mode.ctx
+        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in ctx.param_groups]
+        self.capture_step(ctx.loss_scale, ctx.steps)
 
     def run(self) -> None:
         mode, hyper = self.mode, self.hyper
-        opt, o = mode.opt, mode.options
-        shard, replica = opt.topology.shard, opt.topology.replica
+        ctx, o = mode.ctx, mode.options
+        shard, replica = ctx.topology.shard, ctx.topology.replica
 
-        send = self.grads if self.grads.dtype == opt.comm_dtype else self.grads.to(opt.comm_dtype)
-        grad = send.new_empty(opt.flat.layout.shard_size)
+        send = self.grads if self.grads.dtype == ctx.comm_dtype else self.grads.to(ctx.comm_dtype)
+        grad = send.new_empty(ctx.flat.layout.shard_size)
         shard.reduce_scatter(grad, send)
         grad = grad.float().mul_(1.0 / (shard.world * self.loss_scale))
-        self.grad_norm = clip_by_global_norm(shard, grad, opt.gradient_clipping)
+        self.grad_norm = clip_by_global_norm(shard, grad, ctx.gradient_clipping)
         local_ok = math.isfinite(self.grad_norm)  # one verdict per shard group
         if not local_ok:
             self.nonfinite_ranks = nonfinite_ranks(shard, self.grads)
@@ -139,10 +140,9 @@ class DemoRound(StepRound):
         shard.all_gather(self.target, mode.master.to(self.target.dtype, copy=True))
 
     def install(self) -> None:
-        self.mode.opt.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
+        self.mode.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
 
 
-@register
 class Demo(Mode):
     """Sharded DeMo: ZeRO-1 inside a shard group, compressed momentum across replica groups."""
 
@@ -168,50 +168,52 @@ class Demo(Mode):
                 "to false to overlap without it (the one-step-delayed update then costs loss, see "
                 "the README)")
 
-    def __init__(self, opt: "LowCommOptimizer", options: DemoOptions) -> None:
-        super().__init__(opt, options)
-        layout = opt.flat.layout
-        self.master = layout.shard(opt.flat.buffer).to(torch.float32, copy=True)
+    def __init__(self, ctx: ModeContext, options: DemoOptions) -> None:
+        super().__init__(ctx, options)
+        layout = ctx.flat.layout
+        self.master = layout.shard(ctx.flat.buffer).to(torch.float32, copy=True)
         self.delta = torch.zeros_like(self.master)
-        matrices = tuple(opt.flat.matrix_rows_in_shard()) if options.tiling == "matrix" else ()
+        matrices = tuple(ctx.flat.matrix_rows_in_shard()) if options.tiling == "matrix" else ()
         self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values, matrices)
         self.segments = layout.segments()
         self.step_count = 0
-        self.ticket: Optional[Ticket] = None  # overlap: the round in flight (or done, not installed)
+        self.send = self.gathered = None
         if options.overlap:
-            self.send = torch.zeros(layout.padded, dtype=opt.comm_dtype, device=opt.flat.device)
-            self.gathered = torch.zeros_like(opt.flat.buffer)
+            self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
+            self.gathered = torch.zeros_like(ctx.flat.buffer)
+        # overlap: the round in flight (or done, not installed); never launched otherwise
+        self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
 
     @torch.no_grad()
     def step(self) -> None:
-        opt = self.opt
+        ctx = self.ctx
         if not self.options.overlap:
-            rnd = DemoRound(self, opt.grads.buffer, opt.flat.buffer)
+            rnd = DemoRound(self, ctx.grads.buffer, ctx.flat.buffer)
             rnd.pack()
-            opt.worker.wait(opt.worker.submit(rnd))
+            ctx.worker.wait(ctx.worker.submit(rnd))
             rnd.install()
-            opt.grads.zero_()
-            opt.step_taken()
+            ctx.grads.zero_()
+            ctx.step_taken()
             return
-        self._install_pending()  # also frees ``send`` for this step's gradients
-        self.send.copy_(opt.grads.buffer)
-        opt.grads.zero_()
+        self.inflight.install()  # also frees ``send`` for this step's gradients
+        self.send.copy_(ctx.grads.buffer)
+        ctx.grads.zero_()
         rnd = DemoRound(self, self.send, self.gathered)
         rnd.pack()
         if self.options.lookahead:
             self._look_ahead(rnd.hyper)
-        self.ticket = opt.worker.submit(rnd)
-        opt.step_taken()  # its update reaches the model at the next boundary (or flush)
+        self.inflight.launch(rnd)
+        ctx.step_taken()  # its update reaches the model at the next boundary (or flush)
 
     def _look_ahead(self, hyper: List[dict]) -> None:
         """Move the model by this rank's own momentum step, sign(β·δ + lr·clipped g): the local
         estimate of the global update in flight (torchtitan-lowcomms, Psyche). Runs before the
         round is submitted, while δ is stable; the round's result overwrites the model."""
-        opt, send, loss_scale = self.opt, self.send, self.opt.loss_scale
+        ctx, send, loss_scale = self.ctx, self.send, self.ctx.loss_scale
         norm = torch.linalg.vector_norm(send, dtype=torch.float64).item() / loss_scale
         if not math.isfinite(norm):
             return  # the round will skip this step: computing at a non-finite point would spread it
-        scale = clip_scale(norm, opt.gradient_clipping)
+        scale = clip_scale(norm, ctx.gradient_clipping)
         step = self.delta * self.options.beta
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
@@ -219,34 +221,24 @@ class Demo(Mode):
         step.sign_()
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
-            opt.flat.buffer[sl].sub_(step[sl], alpha=hyper[seg.group]["lr"])
-
-    def _install_pending(self) -> None:
-        """Overlap: wait for the round in flight and make its result the model's parameters."""
-        if self.ticket is None:
-            return
-        self.opt.worker.wait(self.ticket)
-        self.opt.flat.buffer.copy_(self.gathered)
-        self.ticket.round.install()
-        self.ticket = None
+            ctx.flat.buffer[sl].sub_(step[sl], alpha=hyper[seg.group]["lr"])
 
     def flush(self) -> None:
         """Overlap: install the update in flight, so the model holds the latest parameters."""
-        self._install_pending()
+        self.inflight.install()
 
     def settle(self) -> None:
         """Wait for the round in flight (without installing it): δ and the master are then stable."""
-        if self.ticket is not None:
-            self.opt.worker.wait(self.ticket)
+        self.inflight.settle()
 
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
         self.settle()
-        return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.master)
+        return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.master)
 
     def metrics(self) -> dict:
-        r = self.opt.topology.num_replicas
+        r = self.ctx.topology.num_replicas
         return {"payload_bytes": self.codec.payload_bytes,
                 "replica_bytes_sent_per_step": (r - 1) * self.codec.payload_bytes}
 
@@ -254,7 +246,7 @@ class Demo(Mode):
         """``pending``: the master includes an update that has not reached the model yet (the
         model's own weights are saved by DeepSpeed)."""
         self.settle()
-        pending = None if self.ticket is None else self.ticket.round.verdict()
+        pending = self.inflight.verdict()
         return {"step": self.step_count, "pending": pending}
 
     def sharded_state(self) -> dict:
@@ -263,44 +255,40 @@ class Demo(Mode):
         return {"master": self.master}
 
     def load_state_dict(self, state: dict, shards) -> None:
-        self.master = shards.shard("master", self.opt.flat.layout, self.master)
+        self.master = shards.shard("master", self.ctx.flat.layout, self.master)
         self.step_count = int(state["step"])
-        self.ticket = None
+        self.inflight.drop()
         pending = state.get("pending")
         if pending is None:
             return  # the model file's weights are the master's last all-gather
         master = shards.full("master", self.master)
         if not self.options.overlap:
-            self.opt.set_params(master)  # saved with overlap, resumed without: installed now
+            self.ctx.set_params(master)  # saved with overlap, resumed without: installed now
             return
         # Re-create the finished, not yet installed round: the next boundary installs it, so the
         # model keeps the weights DeepSpeed restored until then.
-        self.opt.flat.unpadded(self.gathered).copy_(master.to(self.gathered.dtype))
-        rnd = DemoRound(self, self.send, self.gathered)
-        rnd.restore_verdict(pending)
-        self.ticket = Ticket(rnd)
-        self.ticket.done.set()
+        self.inflight.restore(DemoRound(self, self.send, self.gathered), pending, master)
 
     def load_weights(self, shards) -> None:
         """Momentum and step restart from the master."""
-        self.master = shards.shard("master", self.opt.flat.layout, self.master)
+        self.master = shards.shard("master", self.ctx.flat.layout, self.master)
         self.step_count = 0
-        self.ticket = None
+        self.inflight.drop()
         self.delta.zero_()
-        self.opt.set_params(shards.full("master", self.master))
+        self.ctx.set_params(shards.full("master", self.master))
 
     def rank_state_dict(self) -> dict:
         """δ; with a look-ahead in force, also this rank's model parameters (its own look-ahead
         point: the model weights DeepSpeed saves are rank 0's)."""
         self.settle()
-        state = {**rank_layout(self.opt.topology), "delta": self.delta.clone()}
-        if self.ticket is not None and self.options.lookahead:
-            state["lookahead_params"] = self.opt.flat.buffer.clone()
+        state = {**rank_layout(self.ctx.topology), "delta": self.delta.clone()}
+        if self.inflight.round is not None and self.options.lookahead:
+            state["lookahead_params"] = self.ctx.flat.buffer.clone()
         return state
 
     def load_rank_state_dict(self, state: dict) -> None:
-        check_rank_layout(state, self.opt.topology, "each rank's momentum")
+        check_rank_layout(state, self.ctx.topology, "each rank's momentum")
         self.delta.copy_(state["delta"])
         point = state.get("lookahead_params")
-        if point is not None and self.ticket is not None:  # the update in flight was kept
-            self.opt.flat.buffer.copy_(point)
+        if point is not None and self.inflight.round is not None:  # the update in flight was kept
+            self.ctx.flat.buffer.copy_(point)

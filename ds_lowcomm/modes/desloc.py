@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, gather_full, rank_layout
+from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, rank_layout
 from ds_lowcomm.config import option
-from ds_lowcomm.modes import Mode, register, require_shard_group_size
+from ds_lowcomm.flat import gather_full
+from ds_lowcomm.context import ModeContext
+from ds_lowcomm.modes.base import Mode, require_shard_group_size
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
-
-if TYPE_CHECKING:
-    from ds_lowcomm.optimizer import LowCommOptimizer
 
 NEVER = 0  # the internal value of "never"
 
@@ -55,7 +54,6 @@ class DeslocOptions:
                                    below=1)
 
 
-@register
 class Desloc(Mode):
     """Local AdamW per replica, with independent averaging periods for θ, m and v."""
 
@@ -67,13 +65,13 @@ class Desloc(Mode):
     def check_config(cls, ds: dict, cfg) -> None:
         require_shard_group_size(cfg, cls.name, "averages state between shard groups")
 
-    def __init__(self, opt: "LowCommOptimizer", options: DeslocOptions) -> None:
-        super().__init__(opt, options)
+    def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
+        super().__init__(ctx, options)
         kx = options.param_sync_every
         ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
         self.periods = {"master": kx, "exp_avg": ku, "exp_avg_sq": kv}
-        self.adamw = ShardAdamW(opt.flat.layout, opt.flat.buffer)
+        self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
         self.rounds = 0  # rounds run, skipped or not: equal on every replica, it paces the syncs
         # DiLoCo-style outer Nesterov: the anchor is the parameters at the last sync, the
         # pseudo-gradient is anchor − average. Off (plain averaging) unless configured.
@@ -83,19 +81,19 @@ class Desloc(Mode):
             self.outer_buf = torch.zeros_like(self.anchor)
 
     def step(self) -> None:
-        opt = self.opt
-        rnd = ShardedStepRound(opt, self.adamw, opt.grads.buffer, opt.flat.buffer,
-                               scale=1.0 / opt.topology.shard.world, after_update=self._average_due)
+        ctx = self.ctx
+        rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer,
+                               scale=1.0 / ctx.topology.shard.world, after_update=self._average_due)
         rnd.pack()
-        opt.worker.wait(opt.worker.submit(rnd))
+        ctx.worker.wait(ctx.worker.submit(rnd))
         rnd.install()
-        opt.grads.zero_()
-        opt.step_taken()
+        ctx.grads.zero_()
+        ctx.step_taken()
 
     def _average_due(self) -> None:
         """After the local update (or its skip), before the all-gather: average the states due
         this round."""
-        replica = self.opt.topology.replica
+        replica = self.ctx.topology.replica
         self.rounds += 1
         t = self.rounds
         due = [k for k, every in self.periods.items() if every != NEVER and t % every == 0]
@@ -121,7 +119,7 @@ class Desloc(Mode):
 
     def master_weights(self) -> torch.Tensor:
         """This replica's full master (collective over the shard group)."""
-        return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
+        return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 
     def state_dict(self) -> dict:
         return {"rounds": self.rounds}
@@ -132,7 +130,7 @@ class Desloc(Mode):
 
     def load_state_dict(self, state: dict, shards) -> None:
         """This replica's own master; its moments and step count come with the rank state."""
-        topo = self.opt.topology
+        topo = self.ctx.topology
         self.rounds = int(state.get("rounds", state.get("step", 0)))
         self.adamw.load_shards(shards.of_replica(topo.rank // topo.shard_group_size), None)
 
@@ -143,18 +141,18 @@ class Desloc(Mode):
         if self.outer:
             self.anchor = self.adamw.master.clone()
             self.outer_buf = torch.zeros_like(self.anchor)
-        self.opt.set_params(shards.full("master", self.adamw.master))
+        self.ctx.set_params(shards.full("master", self.adamw.master))
 
     def rank_state_dict(self) -> dict:
         a = self.adamw
-        state = {**rank_layout(self.opt.topology), "exp_avg": a.exp_avg.clone(),
+        state = {**rank_layout(self.ctx.topology), "exp_avg": a.exp_avg.clone(),
                  "exp_avg_sq": a.exp_avg_sq.clone(), "step": a.step_count}
         if self.outer:
             state.update(anchor=self.anchor.clone(), outer_buf=self.outer_buf.clone())
         return state
 
     def load_rank_state_dict(self, state: dict) -> None:
-        check_rank_layout(state, self.opt.topology, "each replica's own AdamW state")
+        check_rank_layout(state, self.ctx.topology, "each replica's own AdamW state")
         # ("master" only in checkpoints written before sharded saves)
         for k in ("master", "exp_avg", "exp_avg_sq") if "master" in state else ("exp_avg", "exp_avg_sq"):
             getattr(self.adamw, k).copy_(state[k])
@@ -166,5 +164,5 @@ class Desloc(Mode):
             self.anchor.copy_(state["anchor"])
             self.outer_buf.copy_(state["outer_buf"])
         # The model file holds replica 0's parameters: give this replica its own (collective).
-        opt = self.opt
-        opt.checkpoint_comm.all_gather(opt.flat.buffer, self.adamw.master.to(opt.flat.dtype, copy=True))
+        ctx = self.ctx
+        ctx.checkpoint_comm.all_gather(ctx.flat.buffer, self.adamw.master.to(ctx.flat.dtype, copy=True))

@@ -13,47 +13,42 @@ gradient instead (``stage_1_and_2.py`` ``average_tensor``), twice the gradient b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from ds_lowcomm.checkpoint import gather_full
-from ds_lowcomm.modes import Mode, register, require_one_shard_group
+from ds_lowcomm.flat import gather_full
+from ds_lowcomm.context import ModeContext
+from ds_lowcomm.modes.base import Mode, require_one_shard_group
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
-
-if TYPE_CHECKING:
-    from ds_lowcomm.optimizer import LowCommOptimizer
 
 @dataclass(frozen=True)
 class Zero1Options:
     """zero1 has no options of its own."""
 
 
-@register
 class Zero1(Mode):
     """Synchronous: reduce-scatter, step and all-gather at every boundary, on the training thread."""
 
     name = "zero1"
     Options = Zero1Options
 
-    def __init__(self, opt: "LowCommOptimizer", options: Zero1Options) -> None:
-        super().__init__(opt, options)
-        require_one_shard_group(opt, self.name)
-        self.adamw = ShardAdamW(opt.flat.layout, opt.flat.buffer)
+    def __init__(self, ctx: ModeContext, options: Zero1Options) -> None:
+        super().__init__(ctx, options)
+        require_one_shard_group(ctx, self.name)
+        self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
 
     def step(self) -> None:
-        opt = self.opt
-        rnd = ShardedStepRound(opt, self.adamw, opt.grads.buffer, opt.flat.buffer,
-                               scale=1.0 / opt.topology.shard.world)
+        ctx = self.ctx
+        rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer,
+                               scale=1.0 / ctx.topology.shard.world)
         rnd.pack()
-        opt.worker.wait(opt.worker.submit(rnd))
+        ctx.worker.wait(ctx.worker.submit(rnd))
         rnd.install()
-        opt.grads.zero_()
-        opt.step_taken()
+        ctx.grads.zero_()
+        ctx.step_taken()
 
     def master_weights(self) -> torch.Tensor:
-        return gather_full(self.opt.checkpoint_comm, self.opt.flat.layout, self.adamw.master)
+        return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 
     def state_dict(self) -> dict:
         return {"step": self.adamw.step_count}
@@ -67,4 +62,4 @@ class Zero1(Mode):
 
     def load_weights(self, shards) -> None:
         self.adamw.load_shards(shards, None)
-        self.opt.set_params(shards.full("master", self.adamw.master))
+        self.ctx.set_params(shards.full("master", self.adamw.master))

@@ -1,0 +1,5 @@
+import sys
+
+from ds_lowcomm.checkpoint.export import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+"""Sharded state: how flat state is cut into rank files, and :class:`ShardReader`, which cuts any
+range back out of them (memory-mapped, ``weights_only``), so sharded state loads into any world
+size and ``shard_group_size``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from ds_lowcomm.checkpoint.files import (FORMAT, LEGACY_FORMAT, CheckpointError, rank_file_name, safe_load,
+                                         verify_files)
+from ds_lowcomm.flat import ShardLayout
+
+
+def check_same_model(saved: dict, names: list, shapes: list) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint's parameters match this model's."""
+    if saved.get("format") not in (FORMAT, LEGACY_FORMAT):
+        raise CheckpointError(f"optimizer state has format {saved.get('format')!r}, expected {FORMAT!r}: "
+                              "this checkpoint was not written by ds_lowcomm (stock DeepSpeed?); load "
+                              "it with load_optimizer_states=False to take the weights only")
+    old_names, old_shapes = saved["param_names"], [tuple(s) for s in saved["param_shapes"]]
+    if len(old_names) != len(names):
+        raise CheckpointError(f"checkpoint has {len(old_names)} trainable parameters, this model has "
+                              f"{len(names)}: it was saved from a different model")
+    for old_n, old_s, n, s in zip(old_names, old_shapes, names, shapes):
+        if old_n != n or old_s != tuple(s):
+            raise CheckpointError(f"checkpoint parameter {old_n[0]} {list(old_s)} does not match this "
+                                  f"model's {n[0]} {list(s)}: it was saved from a different model")
+
+
+def shard_meta(layout: ShardLayout, topology) -> dict:
+    """How this run cuts flat state into rank files (saved with the metadata, read by
+    :class:`ShardReader`)."""
+    return {"numel": layout.numel, "shard_size": layout.shard_size,
+            "shard_group_size": topology.shard_group_size, "world_size": topology.world_size}
+
+
+class ShardReader:
+    """Ranges of flat state saved one shard per rank file, read memory-mapped with
+    ``weights_only=True``.
+
+    Rank ``r``'s file holds, under ``"shards"``, elements ``[i·S, (i+1)·S)`` of each flat tensor of
+    its replica (``i = r mod G``, ``S`` the saved shard size, ``G`` the saved shard group size);
+    :meth:`read` cuts any range out of the files of one replica (replica 0 unless told), so the
+    state loads into any layout. Elements past the real ones (padding) read as zeros.
+    """
+
+    def __init__(self, tag_dir: str, meta: dict, replica: int = 0, verified: Optional[set] = None) -> None:
+        self.tag_dir, self.meta, self.replica = tag_dir, meta, replica
+        #: the optimizer metadata from the model file this state belongs to
+        self.saved_meta: Optional[dict] = None
+        self._cache: Dict[int, dict] = {}
+        self.verified = set() if verified is None else verified  # file names checked against the manifest
+
+    def verify(self, names: Iterable[str]) -> None:
+        """Check files against the manifest (once each); every file is checked before it is read."""
+        todo = [n for n in names if n not in self.verified]
+        verify_files(self.tag_dir, todo)
+        self.verified.update(todo)
+
+    def _ranks(self, start: int, length: int) -> List[int]:
+        size, numel = self.meta["shard_size"], self.meta["numel"]
+        end = min(start + length, numel)
+        first = self.replica * self.meta["shard_group_size"]
+        return [first + i for i in range(start // size, -(-end // size))] if end > start else []
+
+    def of_replica(self, replica: int) -> "ShardReader":
+        """The same state as held by replica ``replica`` (per-replica state, same layout only)."""
+        other = ShardReader(self.tag_dir, self.meta, replica, self.verified)
+        other.saved_meta = self.saved_meta
+        return other
+
+    def files_for(self, start: int, length: int) -> List[str]:
+        """The rank files :meth:`read` opens for elements ``[start, start + length)``."""
+        return [rank_file_name(r) for r in self._ranks(start, length)]
+
+    def _shards(self, rank: int) -> dict:
+        if rank not in self._cache:
+            self.verify([rank_file_name(rank)])
+            path = os.path.join(self.tag_dir, rank_file_name(rank))
+            shards = safe_load(path, mmap=True).get("shards")
+            if not isinstance(shards, dict):
+                raise CheckpointError(f"{path!r} holds no shards: it was not written by this ds_lowcomm")
+            self._cache[rank] = shards
+        return self._cache[rank]
+
+    def read(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of flat tensor ``key``, as ``like``'s dtype/device."""
+        out = torch.zeros(length, dtype=like.dtype, device=like.device)
+        size = self.meta["shard_size"]
+        end = min(start + length, self.meta["numel"])
+        for rank in self._ranks(start, length):
+            shards = self._shards(rank)
+            if key not in shards:
+                raise CheckpointError(f"{os.path.join(self.tag_dir, rank_file_name(rank))!r} has no "
+                                      f"{key!r}: it was saved by another mode or version")
+            lo = (rank - self.replica * self.meta["shard_group_size"]) * size
+            a, b = max(start, lo), min(end, lo + size)
+            out[a - start: b - start].copy_(shards[key][a - lo: b - lo])
+        return out
+
+    def shard(self, key: str, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
+        """This run's shard of ``key`` (``layout``'s range)."""
+        return self.read(key, layout.shard_start, layout.shard_size, like)
+
+    def full(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """All real elements of ``key`` (unpadded)."""
+        return self.read(key, 0, self.meta["numel"], like)
+
+
+class LegacyReader(ShardReader):
+    """The same reads from a :data:`LEGACY_FORMAT` checkpoint, whose model file holds the state
+    gathered into full tensors (``key`` → ``saved[key]``, or acco's pending parameters)."""
+
+    def __init__(self, saved: dict) -> None:
+        self.saved_meta = saved
+        self.meta = {"numel": saved["master"].numel()}
+
+    def verify(self, names: Iterable[str]) -> None:
+        pass  # the state is in the model file, verified before it was read
+
+    def of_replica(self, replica: int) -> "ShardReader":
+        return self  # replica 0's: per-replica state comes with the rank files
+
+    def files_for(self, start: int, length: int) -> List[str]:
+        return []
+
+    def read(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        full = self.saved_meta.get(key)
+        if key == "pending_params":
+            full = self.saved_meta["acco"]["pending"]["params"]
+        if full is None:
+            raise CheckpointError(f"this {LEGACY_FORMAT} checkpoint has no {key!r}")
+        out = torch.zeros(length, dtype=like.dtype, device=like.device)
+        end = min(start + length, full.numel())
+        if end > start:
+            out[: end - start].copy_(full[start:end])
+        return out
+
+
+def reader_for(tag_dir: str, saved: dict) -> ShardReader:
+    """The reader of a checkpoint's flat state, given the optimizer metadata of its model file."""
+    if saved.get("format") == LEGACY_FORMAT:
+        return LegacyReader(saved)
+    reader = ShardReader(tag_dir, saved["shards"])
+    reader.saved_meta = saved
+    return reader
+
+
+def rank_layout(topology) -> dict:
+    """What per-rank state depends on: saved with it, checked by :func:`check_rank_layout`."""
+    return {"world_size": topology.world_size, "shard_group_size": topology.shard_group_size}
+
+
+def check_rank_layout(saved: dict, topology, holds: str) -> None:
+    """Raise :class:`CheckpointError` unless per-rank state was saved with this run's layout."""
+    now = rank_layout(topology)
+    then = {k: saved.get(k) for k in now}
+    if then != now:
+        raise CheckpointError(
+            f"this checkpoint holds {holds} for {then['world_size']} ranks in shard groups of "
+            f"{then['shard_group_size']}; this run has {now['world_size']} ranks in groups of "
+            f"{now['shard_group_size']}. Resume with the same layout, or load with "
+            f"load_optimizer_states=False to keep only the weights")
+
+
