@@ -1,4 +1,4 @@
-"""DES-LOC: Local Adam as its special case, plain AdamW with one replica, bytes, exact resume."""
+"""DES-LOC: Local Adam as its special case, plain AdamW with one replica, bytes (exact resume: test_resume.py)."""
 import pytest
 import torch
 
@@ -81,21 +81,3 @@ def test_one_replica_is_plain_adamw_and_bytes_follow_the_periods():
     sent = r["stats"]["ops"]["replica.all_reduce"]["bytes_sent"]
     assert sent == 2 * (2 - 1) / 2 * 4 * r["shard"] * (6 + 2 + 1)
     assert r["stats"]["ops"]["replica.all_reduce"]["calls"] == 6  # due averages coalesced per step
-
-
-def _resume(rank, world, save_dir):
-    cfg = desloc_config(1, param_sync_every=2)
-    straight = workers.build_engine(cfg)
-    l_straight = workers.train(straight, 9, rank=rank)
-    first = workers.build_engine(cfg)
-    l_resumed = workers.train(first, 5, rank=rank)  # mid-period for θ (2), m (6) and v (12)
-    first.save_checkpoint(save_dir)
-    second = workers.build_engine(cfg, seed=3)
-    second.load_checkpoint(save_dir)
-    l_resumed += workers.train(second, 4, start=5, rank=rank)
-    return l_straight, l_resumed, workers.params_digest(straight), workers.params_digest(second)
-
-
-def test_resume_mid_period_is_exact(tmp_path):
-    for l_straight, l_resumed, d_straight, d_resumed in run_ranks(_resume, 2, str(tmp_path)):
-        assert l_resumed == l_straight and d_resumed == d_straight
