@@ -189,7 +189,7 @@ class LowCommEngine(DeepSpeedEngine):
         # First, so every rank tags the same step: under acco a rank may be one launch behind.
         self.optimizer.settle()
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)
-        deepspeed_save = functools.partial(super().save_checkpoint, save_dir, tag=tag, client_state=client_state,
+        deepspeed_save = functools.partial(super().save_checkpoint, save_dir, client_state=client_state,
                                            save_latest=False, **kwargs)
         return self.checkpointer.save(save_dir, tag, save_latest, deepspeed_save)
 

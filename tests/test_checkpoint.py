@@ -101,6 +101,30 @@ def _load_errors(rank, world, save_dir, empty_dir):
         errors["latest_after_torn_save"] = f.read()
     engine.load_checkpoint(save_dir)
 
+    # A second save of the tag `latest` names, killed between swapping the old content out and
+    # the new in: the old content loads, exactly; the next save of the tag cleans up.
+    engine.save_checkpoint(save_dir, tag="again")
+    before = engine.optimizer.master_weights()
+    workers.train(engine, 1, start=1, rank=rank)
+    rename = os.rename
+
+    def killed_at_second_rename(src, dst):
+        if str(src).endswith(".saving"):
+            raise KeyboardInterrupt("killed")
+        rename(src, dst)
+
+    with mock.patch("ds_lowcomm.checkpoint.checkpointer.os.rename", side_effect=killed_at_second_rename):
+        try:
+            engine.save_checkpoint(save_dir, tag="again")
+        except KeyboardInterrupt:
+            pass
+    errors["resave_left"] = sorted(n for n in os.listdir(save_dir) if n.startswith("again"))
+    fresh = workers.build_engine(workers.config("zero1"), seed=3)
+    fresh.load_checkpoint(save_dir)
+    errors["resave_loads_previous"] = torch.equal(fresh.optimizer.master_weights(), before)
+    fresh.save_checkpoint(save_dir, tag="again")
+    errors["resave_after"] = sorted(n for n in os.listdir(save_dir) if n.startswith("again"))
+
     # A checkpoint in the format before sharded saves (the full state in the model file, no rank
     # file, no manifest for zero1), rewritten from this one by hand: it still loads, exactly.
     tag_dir = os.path.join(save_dir, "global_step1")
@@ -130,6 +154,9 @@ def test_checkpoint_errors(tmp_path):
     assert "[256, 32]" in errors["other_model"] and "[256, 48]" in errors["other_model"]
     assert "no checkpoint" in errors["missing"]
     assert errors["latest_after_torn_save"] == "global_step1"
+    assert errors["resave_left"] == ["again.replaced", "again.saving"]
+    assert errors["resave_loads_previous"]
+    assert errors["resave_after"] == ["again"]
     assert errors["legacy_equal"]
 
 
@@ -261,3 +288,77 @@ def test_sharded_save_loads_at_another_world_size(tmp_path, world):
             assert shard[real:].abs().sum() == 0
     for r in loaded:
         assert r["step"] == 2 and all(math.isfinite(l) for l in r["losses"])
+
+
+# Per-replica state saved at 2 ranks (2 replicas, or acco's mid-step accumulators), loaded at
+# another world size: (config, micro-batches before the save).
+PER_RANK = {
+    "acco": (workers.config("acco", acco={"accumulate_while_waiting": False}), 5),  # mid-step
+    "demo": (workers.config("demo", shard_group_size=1), 4),
+    "desloc": (workers.config("desloc", shard_group_size=1, desloc={"param_sync_every": 4}), 6),  # mid-period
+}
+
+
+def _save_per_rank(rank, world, save_dir, mode):
+    cfg, micro_batches = PER_RANK[mode]
+    engine = workers.build_engine(cfg)
+    for j in range(micro_batches):
+        x = workers.batch(j // 2, j % 2, rank)
+        engine.backward(engine(x, labels=x).loss)
+        engine.step()
+    engine.save_checkpoint(save_dir)
+    return engine.optimizer.flat.layout.numel
+
+
+def _load_per_rank(rank, world, save_dir, mode):
+    engine = workers.build_engine(PER_RANK[mode][0], seed=5)
+    engine.load_checkpoint(save_dir)
+    opt, out = engine.optimizer, {}
+    numel = opt.flat.layout.numel
+    if mode == "acco":
+        out.update(accumulator=opt.grads.buffer[:numel].clone(), micro_batches=opt.grads.micro_batches)
+    elif mode == "demo":
+        out.update(delta=opt.mode.delta.clone())
+    else:
+        a = opt.mode.adamw
+        out.update({k: getattr(a, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}, step=a.step_count,
+                   params=opt.flat.unpadded(opt.flat.buffer).float().clone())
+    out.update(start=opt.flat.layout.shard_start,
+               losses=workers.train(engine, 2, start=4, rank=rank), digest=workers.params_digest(engine))
+    return out
+
+
+@pytest.mark.parametrize("mode", list(PER_RANK))
+def test_per_rank_state_reshards(tmp_path, mode):
+    """A checkpoint whose ranks hold different state loads at 4 ranks and at 1: DES-LOC's
+    replicas and DeMo's δ averaged, ACCO's mid-step gradient sums gathered on rank 0 with their
+    count; checked against the saved files themselves."""
+    numel = run_ranks(_save_per_rank, 2, str(tmp_path), mode)[0]
+    tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
+    saved = [torch.load(tag / f"lowcomm_rank{r:05d}.pt", weights_only=True) for r in range(2)]
+    for world in (4, 1):
+        loaded = run_ranks(_load_per_rank, world, str(tmp_path), mode)
+        for r, got in enumerate(loaded):
+            assert all(math.isfinite(l) for l in got["losses"])
+            if mode == "acco":
+                if r == 0:
+                    want = sum(s["mode"]["accumulator"][:numel] for s in saved)
+                    assert torch.equal(got["accumulator"], want)
+                    assert got["micro_batches"] == sum(s["mode"]["micro_batches"] for s in saved) > 0
+                else:
+                    assert got["accumulator"].abs().sum() == 0 and got["micro_batches"] == 0
+                continue
+            keys = ("delta",) if mode == "demo" else ("master", "exp_avg", "exp_avg_sq")
+            for key in keys:  # shard_group_size 1: each saved file holds its replica's whole vector
+                a, b = (s["shards"][key][:numel] for s in saved)
+                assert not torch.equal(a, b), key  # the replicas really differed
+                mean = (a + b) / 2
+                shard = got[key]
+                real = max(0, min(shard.numel(), numel - got["start"]))
+                assert torch.equal(shard[:real], mean[got["start"]: got["start"] + real]), key
+            if mode == "desloc":
+                assert got["step"] == saved[0]["mode"]["step"]
+                assert torch.equal(got["params"], (saved[0]["shards"]["master"][:numel]
+                                                   + saved[1]["shards"]["master"][:numel]) / 2)
+        if mode != "desloc":  # DES-LOC replicas drift again after the load, by design
+            assert len({got["digest"] for got in loaded}) == 1

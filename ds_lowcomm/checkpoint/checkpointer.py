@@ -8,15 +8,23 @@ their state; this component owns paths, order, atomicity and checks.
 """
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from typing import Any, Callable, Optional, Tuple
 
 import torch.distributed as dist
 
 from ds_lowcomm.checkpoint.files import (MANIFEST, MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
-                                         file_record, rank_file_name, resolve_tag, safe_load, verify_files,
+                                         file_record, fsync_parent_dir, rank_file_name, resolve_tag, safe_load, verify_files,
                                          write_manifest)
 from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model, reader_for
+
+#: a save of a tag that exists is written beside it under this suffix, then swapped in
+STAGING = ".saving"
+#: the tag's previous content while the new one is swapped in (loaded if a kill left only it)
+REPLACED = ".replaced"
+logger = logging.getLogger("ds_lowcomm")
 
 
 class Checkpointer:
@@ -29,24 +37,39 @@ class Checkpointer:
     def __init__(self, optimizer, rank: int, device) -> None:
         self.optimizer, self.rank, self.device = optimizer, rank, device
 
-    def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[], Any]) -> Any:
-        """``deepspeed_save()`` (DeepSpeed's collective save, its ``latest`` switched off), then
-        this rank's file, the manifest and ``latest``, in that order. Communication besides
-        DeepSpeed's: one all-gather of each rank's file record (a few hundred bytes) and a
-        barrier; no optimizer state is gathered. Returns what ``deepspeed_save`` returned."""
+    def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[str], Any]) -> Any:
+        """``deepspeed_save(tag)`` (DeepSpeed's collective save, its ``latest`` switched off),
+        then this rank's file, the manifest and ``latest``, in that order. A tag that already
+        exists (a second save at the same step) is written beside it and swapped in only once
+        complete, so the checkpoint it held stays loadable until then. Communication besides
+        DeepSpeed's: a few hundred bytes of file records and flags, and barriers; no optimizer
+        state is gathered. Returns what ``deepspeed_save`` returned."""
         tag_dir = os.path.join(save_dir, tag)
-        if self.rank == 0 and os.path.isfile(os.path.join(tag_dir, MANIFEST)):
-            os.remove(os.path.join(tag_dir, MANIFEST))  # re-saving a tag: never vouch for a mix
-        out = deepspeed_save()  # ends with a barrier: DeepSpeed's files are complete
-        name = rank_file_name(self.rank)
-        atomic_save(self.optimizer.rank_state_dict(), os.path.join(tag_dir, name))
-        records = {name: file_record(os.path.join(tag_dir, name))}
+        flag = [os.path.isdir(tag_dir)]
+        dist.broadcast_object_list(flag, src=0)  # one decision for every rank
+        write_tag = tag + STAGING if flag[0] else tag
+        write_dir = os.path.join(save_dir, write_tag)
         if self.rank == 0:
-            records[MODEL_FILE] = file_record(os.path.join(tag_dir, MODEL_FILE))
+            for stale in (tag + STAGING, tag + REPLACED):  # left by a save killed earlier
+                shutil.rmtree(os.path.join(save_dir, stale), ignore_errors=True)
+        dist.barrier()
+        out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
+        name = rank_file_name(self.rank)
+        atomic_save(self.optimizer.rank_state_dict(), os.path.join(write_dir, name))
+        records = {name: file_record(os.path.join(write_dir, name))}
+        if self.rank == 0:
+            records[MODEL_FILE] = file_record(os.path.join(write_dir, MODEL_FILE))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, records)
         if self.rank == 0:
-            write_manifest(tag_dir, {k: v for r in everyone for k, v in r.items()})
+            write_manifest(write_dir, {k: v for r in everyone for k, v in r.items()})
+            if write_dir != tag_dir:
+                # A kill between the renames leaves the old content under REPLACED, which load
+                # falls back to; after them, the new one under the tag.
+                os.rename(tag_dir, tag_dir + REPLACED)
+                os.rename(write_dir, tag_dir)
+                fsync_parent_dir(tag_dir)
+                shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
             if save_latest:
                 atomic_write_text(os.path.join(save_dir, "latest"), tag)
         dist.barrier()
@@ -60,6 +83,10 @@ class Checkpointer:
         :class:`CheckpointError` naming the file on every rank when any rank's files are bad."""
         try:
             tag = resolve_tag(load_dir, tag)
+            if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(os.path.join(load_dir, tag + REPLACED)):
+                logger.warning(f"ds_lowcomm: {tag!r} was being re-saved when the run stopped; loading its "
+                               f"previous content, {tag + REPLACED!r}")
+                tag += REPLACED
             shards, rank_state = self._read(os.path.join(load_dir, str(tag)), load_optimizer_states)
             error = None
         except CheckpointError as err:
@@ -83,6 +110,8 @@ class Checkpointer:
             opt.checkpoint_shards = None
         if rank_state is not None:
             opt.load_rank_state_dict(rank_state)
+        elif load_optimizer_states and opt.mode.has_rank_state:
+            opt.mode.reshard_rank_state(shards)  # saved at another layout
         return out
 
     def _read(self, tag_dir: str, load_optimizer_states: bool) -> Tuple[ShardReader, Optional[dict]]:
@@ -94,7 +123,15 @@ class Checkpointer:
             raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
                                   f"{os.path.basename(tag_dir)!r} in {os.path.dirname(tag_dir)!r}")
         opt = self.optimizer
-        needs_rank_state = load_optimizer_states and opt.mode.has_rank_state
+        verify_files(tag_dir, [MODEL_FILE])
+        saved = safe_load(path, mmap=True).get("optimizer")  # also vets the file DeepSpeed unpickles
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
+        check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
+        shards = reader_for(tag_dir, saved)
+        # Per-rank state saved with this layout: this rank's own file; else the mode reshards it.
+        needs_rank_state = (load_optimizer_states and opt.mode.has_rank_state
+                            and shards.same_layout(opt.topology))
         rank_name = rank_file_name(self.rank)
         rank_path = os.path.join(tag_dir, rank_name)
         if needs_rank_state and not os.path.isfile(rank_path):
@@ -102,13 +139,8 @@ class Checkpointer:
                 f"{rank_path!r} does not exist: this mode keeps per-rank state and the checkpoint has "
                 f"none for rank {self.rank} (saved with fewer ranks, or by another mode?); "
                 f"load with load_optimizer_states=False to take the weights only")
-        verify_files(tag_dir, [MODEL_FILE])
-        saved = safe_load(path, mmap=True).get("optimizer")  # also vets the file DeepSpeed unpickles
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
-        check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
-        shards = reader_for(tag_dir, saved)
         layout = opt.flat.layout
         shards.verify(shards.files_for(layout.shard_start, layout.shard_size)
                       + ([rank_name] if needs_rank_state else []))
         return shards, (safe_load(rank_path, map_location=self.device) if needs_rank_state else None)
+

@@ -37,7 +37,8 @@ def rank_file_name(rank: int) -> str:
 
 # -- files: atomic writes, manifest, safe reads ------------------------------------------------------
 
-def _fsync_dir(path: str) -> None:
+def fsync_parent_dir(path: str) -> None:
+    """Make a rename of ``path`` durable (fsync of its directory)."""
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -54,7 +55,7 @@ def atomic_save(obj: Any, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path)
+    fsync_parent_dir(path)
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -65,7 +66,7 @@ def atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path)
+    fsync_parent_dir(path)
 
 
 def file_record(path: str) -> dict:

@@ -76,6 +76,39 @@ class ShardReader:
         """The rank files :meth:`read` opens for elements ``[start, start + length)``."""
         return [rank_file_name(r) for r in self._ranks(start, length)]
 
+    def keys(self) -> List[str]:
+        """The flat tensors the checkpoint holds (as this replica's first rank saved them)."""
+        return list(self._shards(self.replica * self.meta["shard_group_size"]))
+
+    def same_layout(self, topology) -> bool:
+        """Whether the checkpoint was saved with ``topology``'s world size and shard group size
+        (per-rank state then loads as it was saved, each rank its own file)."""
+        return (self.meta["world_size"], self.meta["shard_group_size"]) == (
+            topology.world_size, topology.shard_group_size)
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas (shard groups) the checkpoint was saved with."""
+        return self.meta["world_size"] // self.meta["shard_group_size"]
+
+    def replica_mean(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        """:meth:`read` of per-replica state ``key`` averaged over the saved replicas (what an
+        average of the replicas, DES-LOC's sync, would make of it)."""
+        out = self.of_replica(0).read(key, start, length, like)
+        for r in range(1, self.num_replicas):
+            out.add_(self.of_replica(r).read(key, start, length, like))
+        return out.div_(self.num_replicas)
+
+    def rank_state(self, rank: int) -> dict:
+        """The per-rank part (the mode's :meth:`~ds_lowcomm.modes.base.Mode.rank_state_dict`)
+        of saved rank ``rank``'s file, checked against the manifest and read ``weights_only``."""
+        self.verify([rank_file_name(rank)])
+        path = os.path.join(self.tag_dir, rank_file_name(rank))
+        state = safe_load(path, mmap=True).get("mode")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path!r} holds no per-rank state: it was saved by another mode")
+        return state
+
     def _shards(self, rank: int) -> dict:
         if rank not in self._cache:
             self.verify([rank_file_name(rank)])
@@ -123,6 +156,16 @@ class LegacyReader(ShardReader):
 
     def of_replica(self, replica: int) -> "ShardReader":
         return self  # replica 0's: per-replica state comes with the rank files
+
+    def keys(self) -> List[str]:
+        return [k for k, v in self.saved_meta.items() if isinstance(v, torch.Tensor)]
+
+    def same_layout(self, topology) -> bool:
+        return True  # per-rank state in this format comes with the rank files, checked there
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
 
     def files_for(self, start: int, length: int) -> List[str]:
         return []

@@ -254,3 +254,21 @@ class Acco(Mode):
         self.round_counts.extend(state["round_counts"])
         self.block_sizes.clear()
         self.block_sizes.extend(state["block_sizes"])
+
+    def reshard_rank_state(self, shards) -> None:
+        """Saved at another world size: the gradients the saved ranks had accumulated mid-step
+        go, summed, into new rank 0's accumulator with their micro-batch count; every other
+        rank starts its half-step empty. A round sums over ranks and divides by the global
+        count, so where the sums sit does not change the step they make."""
+        grads = self.ctx.grads
+        grads.zero_()
+        self.since_switch = 0
+        self.round_counts.clear()
+        self.block_sizes.clear()
+        if self.ctx.topology.rank != 0:
+            return
+        numel = self.ctx.flat.layout.numel  # (the padding depends on the world size)
+        for rank in range(shards.meta["world_size"]):
+            saved = shards.rank_state(rank)
+            grads.buffer[:numel].add_(saved["accumulator"][:numel].to(grads.buffer.device))
+            grads.micro_batches += int(saved["micro_batches"])

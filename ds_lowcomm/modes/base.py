@@ -6,6 +6,7 @@ from typing import ClassVar, Dict, Optional
 
 import torch
 
+from ds_lowcomm.checkpoint import CheckpointError
 from ds_lowcomm.config import LowCommConfigError
 from ds_lowcomm.context import ModeContext
 
@@ -88,7 +89,18 @@ class Mode(abc.ABC):
         return None
 
     def load_rank_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`rank_state_dict` of the same rank."""
+        """Restore from :meth:`rank_state_dict` of the same rank, saved with this layout."""
+
+    def reshard_rank_state(self, shards) -> None:
+        """Rebuild the per-rank state of a checkpoint saved with another world size or
+        ``shard_group_size`` (after :meth:`load_state_dict`), from the saved ranks' state read
+        through ``shards`` (no communication), where that has a meaning; otherwise raise a
+        ``CheckpointError`` naming the way out."""
+        raise CheckpointError(
+            f"this {self.name} checkpoint holds per-rank state for {shards.meta['world_size']} ranks in "
+            f"shard groups of {shards.meta['shard_group_size']}, which does not carry over to another "
+            f"layout; resume with that layout, or load with load_optimizer_states=False to keep only "
+            f"the weights")
 
 
 def require_one_shard_group(ctx: ModeContext, mode: str) -> None:

@@ -21,7 +21,8 @@ Matrix tiling gave 0.2–0.5% lower loss in each of four measured settings for ~
 
 Bytes across replica groups per rank and step: (R−1)·payload sent and received, payload =
 ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's bytes with chunk 64, top 32, bf16
-values). δ differs per rank: it is saved in per-rank files.
+values). δ differs per replica: each rank saves its replica's shard of it; a resume at another
+world size or ``shard_group_size`` gives every replica the saved replicas' average.
 
 ``overlap: true``: the whole step above runs as a round on the CommWorker (thread / side stream)
 while the next step's micro-batches compute, and its result becomes the model's parameters at the
@@ -250,12 +251,22 @@ class Demo(Mode):
         return {"step": self.step_count, "pending": pending}
 
     def sharded_state(self) -> dict:
-        """The master, sharded over the shard group (every replica holds the same)."""
+        """The master (every replica holds the same) and this replica's momentum δ, sharded over
+        the shard group."""
         self.settle()
-        return {"master": self.master}
+        return {"master": self.master, "delta": self.delta}
 
     def load_state_dict(self, state: dict, shards) -> None:
-        self.master = shards.shard("master", self.ctx.flat.layout, self.master)
+        """Saved with this layout: each replica its own δ. At another world size or
+        ``shard_group_size``: every replica the average of the saved replicas' δ (error feedback
+        residuals of the same momentum; their mean keeps what was not yet sent, on average)."""
+        topo, layout = self.ctx.topology, self.ctx.flat.layout
+        self.master = shards.shard("master", layout, self.master)
+        if "delta" in shards.keys():  # (in the rank files before ds_lowcomm/2.1)
+            if shards.same_layout(topo):
+                self.delta = shards.of_replica(topo.rank // topo.shard_group_size).shard("delta", layout, self.delta)
+            else:
+                self.delta = shards.replica_mean("delta", layout.shard_start, layout.shard_size, self.delta)
         self.step_count = int(state["step"])
         self.inflight.drop()
         pending = state.get("pending")
@@ -278,17 +289,23 @@ class Demo(Mode):
         self.ctx.set_params(shards.full("master", self.master))
 
     def rank_state_dict(self) -> dict:
-        """δ; with a look-ahead in force, also this rank's model parameters (its own look-ahead
-        point: the model weights DeepSpeed saves are rank 0's)."""
+        """With a look-ahead in force, this rank's model parameters (its own look-ahead point:
+        the model weights DeepSpeed saves are rank 0's)."""
         self.settle()
-        state = {**rank_layout(self.ctx.topology), "delta": self.delta.clone()}
+        state = rank_layout(self.ctx.topology)
         if self.inflight.round is not None and self.options.lookahead:
             state["lookahead_params"] = self.ctx.flat.buffer.clone()
         return state
 
     def load_rank_state_dict(self, state: dict) -> None:
         check_rank_layout(state, self.ctx.topology, "each rank's momentum")
-        self.delta.copy_(state["delta"])
+        if "delta" in state:  # written before δ was sharded
+            self.delta.copy_(state["delta"])
         point = state.get("lookahead_params")
         if point is not None and self.inflight.round is not None:  # the update in flight was kept
             self.ctx.flat.buffer.copy_(point)
+
+    def reshard_rank_state(self, shards) -> None:
+        """Saved at another layout: δ was averaged over the saved replicas by
+        :meth:`load_state_dict`; a look-ahead point is not carried over (every rank keeps the
+        model weights DeepSpeed loaded, rank 0's, until the round in flight is installed)."""

@@ -13,7 +13,9 @@ updates is not Adam on the averaged gradient).
 
 Bytes per rank per step across replica groups, R replicas, S shard elements in fp32:
 2(R−1)/R · 4·S · (1/Kx + 1/Ku + 1/Kv) — with R = 2, one shard per period.
-Replicas differ between syncs, so each rank's state is saved in its own file.
+Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
+with the same layout gives every replica its own; at another world size or ``shard_group_size``
+every replica starts from the average of the saved replicas (a sync of all three).
 
 Non-finite gradients are judged per replica (the norm all-reduce inside the shard group): a
 replica whose gradient is non-finite skips its local update and keeps its state from before the
@@ -115,7 +117,10 @@ class Desloc(Mode):
     def metrics(self) -> dict:
         return {"sync_periods": dict(self.periods)}
 
-    # -- state: replicas differ between syncs, so everything but the step count is per rank -----
+    # -- state: replicas differ between syncs; each rank saves its replica's shards ---------------
+
+    _SHARDED = ("master", "exp_avg", "exp_avg_sq")
+    _OUTER = ("anchor", "outer_buf")
 
     def master_weights(self) -> torch.Tensor:
         """This replica's full master (collective over the shard group)."""
@@ -125,14 +130,39 @@ class Desloc(Mode):
         return {"rounds": self.rounds}
 
     def sharded_state(self) -> dict:
-        """This replica's master shard (weights-only loads and the export take replica 0's)."""
-        return {"master": self.adamw.master}
+        """This replica's shards of the master and moments, and of the outer optimizer's anchor
+        and momentum (the same on every replica); weights-only loads and the export take replica
+        0's master."""
+        a = self.adamw
+        state = {"master": a.master, "exp_avg": a.exp_avg, "exp_avg_sq": a.exp_avg_sq}
+        if self.outer:
+            state.update(anchor=self.anchor, outer_buf=self.outer_buf)
+        return state
 
     def load_state_dict(self, state: dict, shards) -> None:
-        """This replica's own master; its moments and step count come with the rank state."""
-        topo = self.ctx.topology
+        """Saved with this layout: each replica its own state (its Adam step count comes with
+        its rank file). At another world size or ``shard_group_size``: every replica the average
+        of the saved replicas' master and moments, what a sync of θ, m and v at the save step
+        would have made (:meth:`reshard_rank_state` then sets the step count and the model)."""
+        topo, layout = self.ctx.topology, self.ctx.flat.layout
         self.rounds = int(state.get("rounds", state.get("step", 0)))
-        self.adamw.load_shards(shards.of_replica(topo.rank // topo.shard_group_size), None)
+        if shards.same_layout(topo):
+            mine = shards.of_replica(topo.rank // topo.shard_group_size)
+            read = lambda key, like: mine.shard(key, layout, like)  # noqa: E731
+        else:
+            read = lambda key, like: shards.replica_mean(key, layout.shard_start, layout.shard_size, like)  # noqa: E731
+        saved = shards.keys()  # (moments and outer state were in the rank files before ds_lowcomm/2.1)
+        a = self.adamw
+        for key in self._SHARDED:
+            if key in saved:
+                setattr(a, key, read(key, a.master))
+        if self.outer:
+            if "anchor" not in saved and shards.same_layout(topo) and "anchor" in shards.rank_state(topo.rank):
+                return  # in the rank file (older checkpoints)
+            if "anchor" not in saved:
+                raise CheckpointError("this desloc checkpoint has no outer-optimizer state (saved with "
+                                      "outer_lr 1 and outer_momentum 0); resume with those settings")
+            self.anchor, self.outer_buf = (read(key, a.master) for key in self._OUTER)
 
     def load_weights(self, shards) -> None:
         """Replica 0's master for every replica; moments, steps and the outer optimizer restart."""
@@ -144,25 +174,27 @@ class Desloc(Mode):
         self.ctx.set_params(shards.full("master", self.adamw.master))
 
     def rank_state_dict(self) -> dict:
-        a = self.adamw
-        state = {**rank_layout(self.ctx.topology), "exp_avg": a.exp_avg.clone(),
-                 "exp_avg_sq": a.exp_avg_sq.clone(), "step": a.step_count}
-        if self.outer:
-            state.update(anchor=self.anchor.clone(), outer_buf=self.outer_buf.clone())
-        return state
+        """This replica's Adam step count (it lags where the replica skipped a step)."""
+        return {**rank_layout(self.ctx.topology), "step": self.adamw.step_count}
 
     def load_rank_state_dict(self, state: dict) -> None:
         check_rank_layout(state, self.ctx.topology, "each replica's own AdamW state")
-        # ("master" only in checkpoints written before sharded saves)
-        for k in ("master", "exp_avg", "exp_avg_sq") if "master" in state else ("exp_avg", "exp_avg_sq"):
-            getattr(self.adamw, k).copy_(state[k])
+        # Checkpoints written before the moments were sharded keep them (and the master, before
+        # sharded saves; the outer state too) in the rank file.
+        for k in self._SHARDED:
+            if k in state:
+                getattr(self.adamw, k).copy_(state[k])
         self.adamw.step_count = int(state.get("step", self.adamw.step_count))  # this replica's own
-        if self.outer:
-            if "anchor" not in state:
-                raise CheckpointError("this desloc checkpoint has no outer-optimizer state (saved with "
-                                      "outer_lr 1 and outer_momentum 0); resume with those settings")
+        if self.outer and "anchor" in state:
             self.anchor.copy_(state["anchor"])
             self.outer_buf.copy_(state["outer_buf"])
         # The model file holds replica 0's parameters: give this replica its own (collective).
         ctx = self.ctx
         ctx.checkpoint_comm.all_gather(ctx.flat.buffer, self.adamw.master.to(ctx.flat.dtype, copy=True))
+
+    def reshard_rank_state(self, shards) -> None:
+        """Saved at another layout: the replicas were averaged (:meth:`load_state_dict`); the Adam
+        step count is saved replica 0's, and the model gets the averaged master (read from the
+        files, no communication)."""
+        self.adamw.step_count = int(shards.rank_state(0)["step"])
+        self.ctx.set_params(shards.replica_mean("master", 0, shards.meta["numel"], self.adamw.master))
