@@ -40,5 +40,5 @@ setup(
         "test": ["transformers>=4.40", "accelerate>=1.0", "datasets>=2.14", "pytest>=7"],
         "dev": ["transformers>=4.40", "accelerate>=1.0", "datasets>=2.14", "pytest>=7", "ruff"],
     },
-    entry_points={"console_scripts": ["ds-lowcomm-export=ds_lowcomm.checkpoint:main"]},
+    entry_points={"console_scripts": ["ds-lowcomm-export=ds_lowcomm.checkpoint.export:main"]},
 )
