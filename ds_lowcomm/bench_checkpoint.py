@@ -128,7 +128,8 @@ def worker(args) -> None:
     rss_imported = _proc_status("VmRSS")
     model = _build_model(args.model, args.seed, args.bf16)
     n_params = sum(p.numel() for p in model.parameters())
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)
+    # Only the engine is kept: the optimizer and scheduler are reachable from it (and die with it).
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)[0]
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab, block = MODELS[args.model][3], MODELS[args.model][4]
@@ -192,7 +193,8 @@ def worker(args) -> None:
     del engine, model
     gc.collect()
     model = _build_model(args.model, args.seed + 1, args.bf16)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)
+    # Only the engine is kept: the optimizer and scheduler are reachable from it (and die with it).
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)[0]
     digest_fresh = _weights_digest(engine.module)
     dist.barrier()
     rss_before_load = _proc_status("VmRSS")
@@ -283,7 +285,7 @@ def run_config(args, label: str, link: Link, out: Path, rep: int) -> dict:
     return raw
 
 
-def summarize(label: str, raws: List[dict], args, isolated: bool) -> dict:
+def summarize(label: str, raws: List[dict], isolated: bool) -> dict:
     """One row: maxima over ranks, medians over repeats."""
     def over_ranks(raw, key, f=max):
         values = [r[key] for r in raw["ranks"] if r[key] is not None]
@@ -334,11 +336,11 @@ def markdown(meta: dict, rows: List[dict]) -> str:
         name = f"{r['config']} (stock)" if r["label"] == STOCK else r["config"]
         lines.append(f"| {name} | {r['save_s']:.2f} | {_fmt(ratio, '.2f', suffix='×')} | "
                      f"{_fmt(r['save_link_bytes'], '.3f', MB)} | {r['load_s']:.2f} | "
-                     f"{_fmt(r['peak_rss_train_bytes'], ',.0f', MB)} | {_fmt(r['rss_growth_save_bytes'], ',.0f', MB)} | "
-                     f"{r['checkpoint_bytes'] / MB:,.0f} |")
+                     f"{_fmt(r['peak_rss_train_bytes'], ',.0f', MB)} | "
+                     f"{_fmt(r['rss_growth_save_bytes'], ',.0f', MB)} | {r['checkpoint_bytes'] / MB:,.0f} |")
     p = rows[0]["params"]
     link = meta["bandwidth"] or "unlimited (no private namespace: link bytes not measured)"
-    text = [f"# ds_lowcomm checkpoint bench\n",
+    text = ["# ds_lowcomm checkpoint bench\n",
             f"{meta['world_size']} ranks (CPU, gloo), GPT-2 `{meta['model']}` ({p:,} parameters, "
             f"{'bf16' if meta['bf16'] else 'fp32'}), {meta['steps']} steps of micro-batch {meta['micro_batch']} × "
             f"accumulation {meta['gas']} before the save, link {link}, medians over {meta['repeat']} run(s); "
@@ -479,7 +481,7 @@ def main(argv=None) -> Optional[dict]:
                       + (f" | {r['ranks'][0]['save_link_bytes'] / MB:.3f} MB on the link" if isolated else ""),
                       flush=True)
                 done += 1
-            rows.append(summarize(label, raws, args, isolated))
+            rows.append(summarize(label, raws, isolated))
             all_raws[label] = raws  # per rank, per repeat: what the medians were taken over
     finally:
         link.close()
