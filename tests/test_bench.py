@@ -61,3 +61,26 @@ def test_link_bytes_match_accounting(tmp_path):
         assert abs(link - ours) <= 0.10 * ours, (mode, ours, link)
     # Stock ZeRO-1 all-reduces the full gradient: 1.5x zero1's bytes on the wire.
     assert runs["deepspeed"]["link_bytes_per_step"] >= 1.4 * runs["zero1"]["link_bytes_per_step"]
+
+
+# Checkpoint bytes per parameter, fp32, 2 ranks (the shipped demo/desloc configs: one rank per
+# replica): the model file's weights (4) + fp32 master and two Adam moments (12) for stock and
+# zero1; acco adds each rank's full fp32 gradient accumulator (2 × 4) and its round's result
+# (4, sharded); demo saves the master and δ per replica (2 × 8); desloc θ, m, v per replica (2 × 12).
+CHECKPOINT_BYTES_PER_PARAM = {"deepspeed": 16, "zero1": 16, "acco": 28, "demo": 20, "desloc": 28}
+
+
+def test_checkpoint_bench_tiny(tmp_path):
+    labels = list(CHECKPOINT_BYTES_PER_PARAM)
+    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench_checkpoint", "--model", "tiny",
+                           "--configs", ",".join(labels), "--bandwidth", "none", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert list(rows) == labels and (tmp_path / "results.md").is_file()
+    for label, per_param in CHECKPOINT_BYTES_PER_PARAM.items():
+        r = rows[label]
+        assert r["weights_restored"] and r["save_s"] > 0 and r["load_s"] > 0, label
+        # the formula, plus metadata (pickle and zip headers, DeepSpeed's config: tens of kB)
+        assert per_param * r["params"] <= r["checkpoint_bytes"] <= per_param * r["params"] + 80_000, (
+            label, r["checkpoint_bytes"] / r["params"])

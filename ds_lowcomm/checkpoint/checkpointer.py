@@ -55,8 +55,7 @@ class Checkpointer:
         dist.barrier()
         out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
         name = rank_file_name(self.rank)
-        atomic_save(self.optimizer.rank_state_dict(), os.path.join(write_dir, name))
-        records = {name: file_record(os.path.join(write_dir, name))}
+        records = {name: atomic_save(self.optimizer.rank_state_dict(), os.path.join(write_dir, name))}
         if self.rank == 0:
             records[MODEL_FILE] = file_record(os.path.join(write_dir, MODEL_FILE))
         everyone = [None] * dist.get_world_size()

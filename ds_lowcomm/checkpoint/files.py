@@ -46,16 +46,34 @@ def fsync_parent_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: str) -> None:
+class _HashingWriter:
+    """A file for ``torch.save`` (which writes it front to back) that hashes what it writes."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.bytes += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_save(obj: Any, path: str) -> dict:
     """``torch.save`` to a temporary name in the same directory, flushed, then renamed: ``path``
-    is either absent, its previous content, or complete."""
+    is either absent, its previous content, or complete. Returns its :func:`file_record`,
+    hashed as it was written (reading a just-written file back for its hash doubled the I/O)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_parent_dir(path)
+    return {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -239,8 +239,10 @@ class Acco(Mode):
         self.ctx.set_params(shards.full("master", self.adamw.master))
 
     def rank_state_dict(self) -> dict:
+        """The gradients accumulated mid-step (the buffer itself: nothing writes it while the
+        checkpoint is written), their micro-batch count and this rank's schedule position."""
         grads = self.ctx.grads
-        return {**rank_layout(self.ctx.topology), "accumulator": grads.buffer.clone(),
+        return {**rank_layout(self.ctx.topology), "accumulator": grads.buffer,
                 "micro_batches": grads.micro_batches, "since_switch": self.since_switch,
                 "round_counts": list(self.round_counts), "block_sizes": list(self.block_sizes)}
 
