@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,10 @@ import torch.distributed as dist
 # torch 2.13 deprecates the *_tensor spellings in favour of the *_single ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: bytes of each temporary of the chunked gloo collectives and the norm. glibc serves 32 MiB and
+#: more with mmap whatever its dynamic threshold, so each chunk goes back to the OS when freed and
+#: never pins the heap (a persistent or smaller scratch buffer grows RSS by fragmentation).
+CHUNK_BYTES = 32 << 20
 
 
 def wire_bytes(op: str, nbytes: int, world: int) -> Tuple[float, float]:
@@ -123,25 +127,63 @@ class Collectives:
         # Keyed by group too: what crosses the slow replica links is reported on its own.
         self.stats.record(f"{self.name}.{op}", sent, received, time.perf_counter() - t0)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
+                       wire_dtype: Optional[torch.dtype] = None) -> None:
         """Sum ``inp`` (W equal shards, flat) over the group; this rank's shard lands in ``out``.
 
-        Cost: (W-1)/W · inp bytes sent and received. On gloo it needs a transient buffer the size
-        of ``inp``.
+        ``wire_dtype`` (default ``inp``'s): what is sent, ``inp`` converted to it. Cost:
+        (W-1)/W · inp's numel · wire bytes sent and received. On gloo the conversion and the
+        exchange go chunk by chunk (transients of ``CHUNK_BYTES``) and the sum is in fp32.
         """
-        nbytes = inp.numel() * inp.element_size()
-        if not self.reduce_scatter_by_all_to_all:
-            self._run("reduce_scatter", nbytes, _reduce_scatter, out, inp)
+        wire_dtype = wire_dtype or inp.dtype
+        nbytes = inp.numel() * torch.empty((), dtype=wire_dtype).element_size()
+        if self.reduce_scatter_by_all_to_all:
+            self._run("reduce_scatter", nbytes, self._reduce_scatter_by_chunks, out, inp, wire_dtype)
             return
-        pieces = torch.empty_like(inp)
-        self._run("reduce_scatter", nbytes, dist.all_to_all_single, pieces, inp)
-        # Sum in rank order, in fp32 for low-precision inputs: deterministic and the same on every rank.
-        total = pieces.view(self.world, -1).sum(0, dtype=torch.float32)
-        out.copy_(total)
+        send = inp.to(wire_dtype)
+        recv = out if out.dtype == wire_dtype else out.new_empty(out.shape, dtype=wire_dtype)
+        self._run("reduce_scatter", nbytes, _reduce_scatter, recv, send)
+        if recv is not out:
+            out.copy_(recv)
+
+    def _reduce_scatter_by_chunks(self, out: torch.Tensor, inp: torch.Tensor,
+                                  wire_dtype: torch.dtype, group) -> None:
+        """One all-to-all per chunk of the shard: transients of CHUNK_BYTES instead of a converted
+        copy of ``inp``, its exchanged copy and a shard-sized sum; the same bytes."""
+        rows = inp.view(self.world, -1)
+        step = max(1, CHUNK_BYTES // (self.world * torch.empty((), dtype=wire_dtype).element_size()))
+        for a in range(0, rows.shape[1], step):
+            send = rows[:, a:a + step].to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+            del send
+            # Sum in rank order, in fp32 for low-precision inputs: deterministic and the same on every rank.
+            dst = out[a:a + recv.shape[1]]
+            if dst.dtype == torch.float32:
+                torch.sum(recv, 0, dtype=torch.float32, out=dst)
+            else:
+                dst.copy_(recv.sum(0, dtype=torch.float32))
+            del recv
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Concatenate every rank's ``inp`` into ``out`` (W × inp). Cost: (W-1)/W · out bytes."""
-        self._run("all_gather", out.numel() * out.element_size(), _all_gather, out, inp)
+        nbytes = out.numel() * out.element_size()
+        if not self.reduce_scatter_by_all_to_all:
+            self._run("all_gather", nbytes, _all_gather, out, inp)
+            return
+        self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp)
+
+    def _all_gather_by_chunks(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+        """gloo stages an all-gather's whole output in a temporary (4 bytes per parameter in
+        fp32): gather chunk by chunk instead, CHUNK_BYTES at a time; the same bytes."""
+        rows = out.view(self.world, -1)
+        step = max(1, CHUNK_BYTES // (self.world * out.element_size()))
+        for a in range(0, inp.numel(), step):
+            part = inp[a:a + step]
+            stage = out.new_empty(self.world * part.numel())
+            _all_gather(stage, part, group=group)
+            rows[:, a:a + part.numel()].copy_(stage.view(self.world, -1))
+            del stage
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum ``t`` in place over the group. Cost: 2(W-1)/W · t bytes."""

@@ -24,6 +24,7 @@ import torch
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, check_same_model, shard_meta
 from ds_lowcomm.comm import CommStats
 from ds_lowcomm.config import LowCommConfig
+from ds_lowcomm.cpu import release_freed_heap
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.flat import FlatParams, GradAccumulator
 from ds_lowcomm.modes import MODES
@@ -78,7 +79,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
         self.grads = GradAccumulator(self.flat)
         mode_cls = MODES[config.mode]
-        self.worker = CommWorker(self.stats, self.flat.device, 
+        # On CPU the freed per-parameter gradients would stay resident (see release_freed_heap).
+        self._trim_heap = self.flat.device.type == "cpu"
+        self.worker = CommWorker(self.stats, self.flat.device,
                                  asynchronous=mode_cls.is_asynchronous(config.mode_options))
         self.micro_batches = 0
         self.steps = 0
@@ -110,6 +113,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.grads.micro_batches += 1
         self.micro_batches += 1
         self.mode.on_micro_batch_end(boundary)
+        if self._trim_heap:
+            release_freed_heap()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -117,6 +122,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("LowCommOptimizer.step does not take a closure")
         self.mode.step()
+        if self._trim_heap:
+            release_freed_heap()
 
     def step_taken(self) -> None:
         """Called by the mode when an optimizer step is taken: its gradient is final and its

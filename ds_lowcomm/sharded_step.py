@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
+from ds_lowcomm.comm import CHUNK_BYTES
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.round import StepRound
 from ds_lowcomm.shard_adamw import ShardAdamW
@@ -31,7 +32,12 @@ HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
     """The global L2 norm of the gradient shards ``grad`` over ``comm`` (one 4-byte all-reduce),
     clipping ``grad`` in place to ``clip`` when positive; returns the norm before clipping."""
-    norm_sq = grad.double().square().sum().float().reshape(1)
+    # float64 chunk by chunk: grad.double().square() held two float64 copies of the shard at once
+    # (16 bytes per shard element).
+    norm_sq = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for part in grad.split(CHUNK_BYTES // 8):
+        norm_sq += part.double().square_().sum()
+    norm_sq = norm_sq.float().reshape(1)
     comm.all_reduce(norm_sq)
     norm = math.sqrt(norm_sq.item())
     scale = clip_scale(norm, clip)
@@ -111,17 +117,15 @@ class ShardedStepRound(StepRound):
             comm.all_reduce(counts)
             self.rank_counts = [int(c) for c in counts.tolist()]
             scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
-        send = self.grads if self.grads.dtype == self.ctx.comm_dtype else self.grads.to(self.ctx.comm_dtype)
-        recv = send.new_empty(layout.shard_size)
-        comm.reduce_scatter(recv, send)
-        grad = recv.float() if recv.dtype != torch.float32 else recv
+        grad = self.grads.new_empty(layout.shard_size, dtype=torch.float32)
+        comm.reduce_scatter(grad, self.grads, wire_dtype=self.ctx.comm_dtype)
         grad.mul_(scale / self.loss_scale)
         self.grad_norm = clip_by_global_norm(comm, grad, self.ctx.gradient_clipping)
         self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank
         if self.skipped:
             self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
-        out = self.adamw.master.to(self.target.dtype, copy=True)
         if self.estimate:
+            out = self.adamw.master.to(self.target.dtype, copy=True)
             if not self.skipped:
                 self.adamw.estimate(grad, self.hyper, out)
         else:
@@ -129,7 +133,8 @@ class ShardedStepRound(StepRound):
                 self.adamw.step(grad, self.hyper)
             if self.after_update is not None:
                 self.after_update()
-            out.copy_(self.adamw.master)
+            # The master itself is gathered when the dtypes agree: no shard-sized copy.
+            out = self.adamw.master.to(self.target.dtype)
         comm.all_gather(self.target, out)
 
     def install(self) -> None:

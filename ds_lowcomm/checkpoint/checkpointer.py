@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Tuple
 
 import torch.distributed as dist
@@ -55,9 +56,13 @@ class Checkpointer:
         dist.barrier()
         out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
         name = rank_file_name(self.rank)
-        records = {name: atomic_save(self.optimizer.rank_state_dict(), os.path.join(write_dir, name))}
-        if self.rank == 0:
-            records[MODEL_FILE] = file_record(os.path.join(write_dir, MODEL_FILE))
+        with ThreadPoolExecutor(1) as pool:
+            # Rank 0 reads DeepSpeed's model file back for its hash while it writes its own file
+            # (hashlib and file I/O release the GIL).
+            model_record = pool.submit(file_record, os.path.join(write_dir, MODEL_FILE)) if self.rank == 0 else None
+            records = {name: atomic_save(self.optimizer.rank_state_dict(), os.path.join(write_dir, name))}
+            if model_record is not None:
+                records[MODEL_FILE] = model_record.result()
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, records)
         if self.rank == 0:

@@ -90,9 +90,10 @@ def atomic_write_text(path: str, text: str) -> None:
 def file_record(path: str) -> dict:
     """Size and sha256 of a file, as the manifest records them."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+    block = memoryview(bytearray(1 << 22))  # one reused 4 MiB buffer: no growth of RSS
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            h.update(block[:n])
     return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
 
 

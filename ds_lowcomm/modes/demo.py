@@ -101,10 +101,9 @@ class DemoRound(StepRound):
         ctx, o = mode.ctx, mode.options
         shard, replica = ctx.topology.shard, ctx.topology.replica
 
-        send = self.grads if self.grads.dtype == ctx.comm_dtype else self.grads.to(ctx.comm_dtype)
-        grad = send.new_empty(ctx.flat.layout.shard_size)
-        shard.reduce_scatter(grad, send)
-        grad = grad.float().mul_(1.0 / (shard.world * self.loss_scale))
+        grad = self.grads.new_empty(ctx.flat.layout.shard_size, dtype=torch.float32)
+        shard.reduce_scatter(grad, self.grads, wire_dtype=ctx.comm_dtype)
+        grad.mul_(1.0 / (shard.world * self.loss_scale))
         self.grad_norm = clip_by_global_norm(shard, grad, ctx.gradient_clipping)
         local_ok = math.isfinite(self.grad_norm)  # one verdict per shard group
         if not local_ok:

@@ -1,0 +1,59 @@
+"""Collectives tier: the chunked gloo reduce-scatter and all-gather against sums computed here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist import run_ranks
+
+WORLD, SHARD = 3, 1001  # 1001 elements per shard: chunks of 5 and 6 elements end unevenly
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.randn(WORLD * SHARD, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _collectives(rank, world, chunk_bytes):
+    import torch.distributed as dist
+
+    import ds_lowcomm.comm as comm
+
+    comm.CHUNK_BYTES = chunk_bytes
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stats = comm.CommStats()
+        c = comm.Collectives(dist.group.WORLD, stats, 30.0, "shard")
+        out = {}
+        for wire in (torch.float32, torch.bfloat16):
+            got = torch.empty(SHARD)
+            c.reduce_scatter(got, _inputs(rank), wire_dtype=wire)
+            out[f"rs_{wire}"] = got
+        gathered = torch.empty(WORLD * SHARD)
+        c.all_gather(gathered, _inputs(rank)[:SHARD])
+        out["ag"] = gathered
+        out["ops"] = {k: (v.calls, v.bytes_sent) for k, v in stats.ops.items()}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("chunk_bytes", [48, 1 << 25], ids=["many-chunks", "one-chunk"])
+def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
+    results = run_ranks(_collectives, WORLD, chunk_bytes)
+    inputs = [_inputs(r).view(WORLD, SHARD) for r in range(WORLD)]
+    for rank, res in enumerate(results):
+        # Summed in rank order in fp32: bit-equal, whatever the chunking.
+        want = inputs[0][rank].clone()
+        for r in range(1, WORLD):
+            want += inputs[r][rank]
+        assert torch.equal(res["rs_torch.float32"], want)
+        want_bf16 = inputs[0][rank].bfloat16().float()
+        for r in range(1, WORLD):
+            want_bf16 += inputs[r][rank].bfloat16().float()
+        assert torch.equal(res["rs_torch.bfloat16"], want_bf16)
+        assert torch.equal(res["ag"], torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)]))
+        # Counted once per collective, at the ring formula's bytes: (W-1)/W of the full tensor.
+        calls, sent = res["ops"]["shard.reduce_scatter"]
+        assert calls == 2 and sent == pytest.approx((WORLD - 1) / WORLD * WORLD * SHARD * (4 + 2))
+        calls, sent = res["ops"]["shard.all_gather"]
+        assert calls == 1 and sent == pytest.approx((WORLD - 1) / WORLD * WORLD * SHARD * 4)
