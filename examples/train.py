@@ -233,8 +233,22 @@ def evaluate(engine, tokens, args, rank, mbs, step) -> float:
     return mean_over_ranks(total / args.eval_iters)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def deepspeed_engine(args, model):
+    """The engine this script trains with: ``deepspeed.initialize`` on the ``--deepspeed`` JSON
+    (with a ``"lowcomm"`` section, a ds_lowcomm engine)."""
+    try:
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.deepspeed)[0]
+    except ds_lowcomm.LowCommConfigError as err:
+        sys.exit(f"error: {args.deepspeed}: {err}")
+    except AssertionError as err:  # DeepSpeed checks its own config with asserts
+        sys.exit(f"error: {args.deepspeed}: DeepSpeed refused the config: {err}")
+
+
+def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
+    """Train; returns the result dict also printed as the last stdout line. ``make_engine(args,
+    model)`` builds the engine (``examples/train_ddp.py`` passes a DDP one); ``args`` already
+    parsed, if given."""
+    args = args or parse_args(argv)
     ds_lowcomm.skip_shm_comm_build()
     text, source = read_corpus(args.data)
     tok = Tokenizer(args.tokenizer, text)
@@ -249,15 +263,9 @@ def main(argv=None) -> dict:
                      f"--block-size, or give more --data")
 
     model = build_model(args, tok.vocab_size)
-    try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=args.deepspeed)
-    except ds_lowcomm.LowCommConfigError as err:
-        sys.exit(f"error: {args.deepspeed}: {err}")
-    except AssertionError as err:  # DeepSpeed checks its own config with asserts
-        sys.exit(f"error: {args.deepspeed}: DeepSpeed refused the config: {err}")
+    engine = make_engine(args, model)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else "deepspeed"
+    mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else getattr(engine, "name", "deepspeed")
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * args.block_size
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -325,10 +333,11 @@ def main(argv=None) -> dict:
                 records.write(json.dumps({"step": done, "train_s": train_time, "loss": losses[-1],
                                           "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
         if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
-            vl = evaluate(engine, val_tokens, args, rank, mbs, done)
+            vl = evaluate(engine, val_tokens, args, rank, mbs, done)  # not on the training clock
             say(f"step {done}: val loss {vl:.4f}", flush=True)
             if records:
-                records.write(json.dumps({"step": done, "val_loss": vl}) + "\n")
+                records.write(json.dumps({"step": done, "train_s": train_time, "val_loss": vl,
+                                          "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
         if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps):
             engine.save_checkpoint(args.save_dir, client_state={"step": done})
             say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
@@ -337,6 +346,9 @@ def main(argv=None) -> dict:
     if hasattr(engine, "comm_stats"):  # ds_lowcomm: install the update still in flight (acco, demo overlap)
         engine.optimizer.flush()
     val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps)
+    if records:
+        records.write(json.dumps({"step": args.max_steps, "train_s": train_time, "val_loss": val_loss,
+                                  "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
     sent, received, wait = meter.per_step()
     steps_run = args.max_steps - start
     # Tokens actually trained on, all ranks: under acco a rank may compute more or fewer

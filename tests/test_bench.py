@@ -13,16 +13,23 @@ SCHEMA = {"mode": str, "world_size": int, "bandwidth": (str, type(None)), "token
           "step_time_s": float, "exposed_comm_s_per_step": (float, type(None)),
           "bytes_sent_per_rank_per_step": (float, type(None)),
           "bytes_received_per_rank_per_step": (float, type(None)), "link_bytes_per_step": (float, type(None)),
-          "final_train_loss": float, "val_loss": float, "peak_rss_mb": float, "tokens": int, "steps": int}
+          "final_train_loss": float, "val_loss": float, "peak_rss_mb": float, "tokens": int, "steps": int,
+          "seconds_to_target": (float, type(None)), "tokens_to_target": (int, type(None)),
+          "step_to_target": (int, type(None))}
+
+
+def _val_records(path: Path) -> list:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "val_loss" in r]
 
 
 def test_bench_tiny(tmp_path):
-    modes = ["ideal", "deepspeed", "zero1", "acco", "dpu"]
+    modes = ["ideal", "ddp", "ddp-powersgd", "deepspeed", "zero1", "acco", "dpu"]
     proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--modes", ",".join(modes),
-                           "--model", "tiny", "--steps", "5", "--eval-iters", "2", "--out", str(tmp_path)],
+                           "--model", "tiny", "--steps", "5", "--eval-iters", "2", "--evals", "5",
+                           "--powersgd-rank", "1", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[1/5] ideal" in proc.stdout and "[5/5] dpu" in proc.stdout
+    assert "[1/7] ideal" in proc.stdout and "[7/7] dpu" in proc.stdout
     result = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in result["runs"]] == modes
     assert result["config"]["steps"] == 5 and result["config"]["world_size"] == 2
@@ -34,12 +41,47 @@ def test_bench_tiny(tmp_path):
     assert by_mode["ideal"]["bytes_sent_per_rank_per_step"] == 0
     assert by_mode["acco"]["bytes_sent_per_rank_per_step"] > 1.9 * by_mode["zero1"]["bytes_sent_per_rank_per_step"]
     # Every mode's loss fell: first logged step vs the end.
+    # The default target is DDP's final val loss; each run's time to it is its first validation
+    # at or below it (read here from the run's own log).
+    target = result["config"]["target"]
+    assert target == by_mode["ddp"]["val_loss"] and "ddp's final val loss" in result["config"]["target_source"]
+    for mode in modes[1:]:
+        vals = _val_records(tmp_path / "logs" / f"{mode}.5.0.jsonl")
+        assert [v["step"] for v in vals] == [1, 2, 3, 4, 5]
+        hit = next((v for v in vals if v["val_loss"] <= target), None)
+        assert by_mode[mode]["seconds_to_target"] == (hit["train_s"] if hit else None), mode
+        assert by_mode[mode]["step_to_target"] == (hit["step"] if hit else None), mode
+    assert by_mode["ddp"]["step_to_target"] is not None
+    # Stock ZeRO-1 and DDP train the same model the same way: the same target, the same step.
+    assert by_mode["deepspeed"]["val_loss"] == pytest.approx(target, rel=1e-5)
     for mode in modes:
-        log = tmp_path / "logs" / (f"{mode}.0.rank0.jsonl" if mode == "ideal" else f"{mode}.0.jsonl")
+        log = tmp_path / "logs" / (f"{mode}.5.0.rank0.jsonl" if mode == "ideal" else f"{mode}.5.0.jsonl")
         first = json.loads(log.read_text().splitlines()[0])["loss"]
         assert by_mode[mode]["final_train_loss"] < first - 0.05, (mode, first, by_mode[mode]["final_train_loss"])
     table = (tmp_path / "results.md").read_text()
-    assert all(f"| {m} |" in table for m in modes)
+    assert all(f"| {m} |" in table for m in modes) and "seconds to target" in table
+
+
+def test_bench_budget_sweep(tmp_path):
+    """Each budget is its own run with its own schedule; a mode is reported at the budget that
+    reached the target soonest; --target overrides the default."""
+    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--modes", "ddp,zero1", "--model", "tiny",
+                           "--budgets", "4,2", "--eval-iters", "2", "--evals", "2", "--target", "5.45",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["mode"], r["steps"]) for r in result["runs"]] == [("ddp", 2), ("zero1", 2), ("ddp", 4), ("zero1", 4)]
+    for r in result["runs"]:
+        cfg = json.loads((tmp_path / "configs" / f"{r['mode']}.{r['steps']}.json").read_text())
+        assert cfg["scheduler"]["params"]["total_num_steps"] == r["steps"]
+    assert result["config"]["target"] == 5.45 and result["config"]["target_source"] == "--target"
+    for mode in ("ddp", "zero1"):
+        mine = [r for r in result["runs"] if r["mode"] == mode and r["seconds_to_target"] is not None]
+        best = next(b for b in result["best"] if b["mode"] == mode)
+        if mine:
+            assert best["seconds_to_target"] == min(r["seconds_to_target"] for r in mine)
+        else:
+            assert best["seconds_to_target"] is None and best["steps"] == 4
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),

@@ -126,3 +126,41 @@ def test_bad_data_is_a_one_line_error(tmp_path, text, flags, message):
     with pytest.raises(SystemExit) as info:
         train.main(["--deepspeed", "cfg.json", "--data", str(data), *flags])
     assert message in str(info.value) and "\n" not in str(info.value), info.value
+
+
+DDP_SCRIPT = str(ROOT / "examples" / "train_ddp.py")
+
+
+def _run_logged(script, tmp_path, name, *args):
+    log = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(__import__("dist").free_port()), script, *SMALL,
+           "--deepspeed", "ds_configs/deepspeed_zero1.json", "--max-steps", "4", "--eval-every", "2",
+           "--log-every", "1", "--log-json", str(log), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = [json.loads(l) for l in log.read_text().splitlines()]
+    return json.loads(proc.stdout.splitlines()[-1]), records
+
+
+def test_ddp_peer_trains_like_stock_deepspeed(tmp_path):
+    """The bench's DDP peer is train.py's training with DDP's all-reduce: the same losses as stock
+    DeepSpeed ZeRO-1 on the same model, data, schedule and clipping; PowerSGD departs from them
+    only once its plain all-reduce warm-up is over."""
+    stock, stock_rec = _run_logged(SCRIPT, tmp_path, "stock")
+    ddp, ddp_rec = _run_logged(DDP_SCRIPT, tmp_path, "ddp")
+    psgd, psgd_rec = _run_logged(DDP_SCRIPT, tmp_path, "psgd", "--powersgd-rank", "1", "--powersgd-warmup", "2")
+    assert (stock["mode"], ddp["mode"], psgd["mode"]) == ("deepspeed", "ddp", "ddp-powersgd")
+    losses = lambda recs: [r["loss"] for r in recs if "loss" in r]
+    vals = lambda recs: [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    assert len(losses(ddp_rec)) == 4
+    assert losses(ddp_rec) == pytest.approx(losses(stock_rec), rel=1e-5, abs=1e-6)
+    assert [s for s, _ in vals(ddp_rec)] == [2, 4]  # validation at fixed steps, end included
+    assert [v for _, v in vals(ddp_rec)] == pytest.approx([v for _, v in vals(stock_rec)], rel=1e-5)
+    assert ddp["tokens"] == stock["tokens"] and ddp["val_loss"] == pytest.approx(stock["val_loss"], rel=1e-5)
+    # Records carry the training clock (validation excluded): non-decreasing.
+    clock = [r["train_s"] for r in ddp_rec]
+    assert clock == sorted(clock)
+    # PowerSGD: the two warm-up steps all-reduce exactly, then compression changes the update.
+    assert losses(psgd_rec)[:3] == pytest.approx(losses(ddp_rec)[:3], rel=1e-5, abs=1e-6)
+    assert abs(psgd["val_loss"] - ddp["val_loss"]) > 1e-6 and math.isfinite(psgd["val_loss"])
