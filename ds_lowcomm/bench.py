@@ -345,11 +345,22 @@ def _records(path: Path) -> list:
 
 
 def time_to_target(records: List[dict], target: float) -> Optional[dict]:
-    """The first validation at or below ``target``: its training seconds, tokens and step (None
-    if the run never got there). Validations run at fixed steps, off the training clock."""
+    """When the validation loss reached ``target`` (None if it never did): seconds and tokens
+    interpolated linearly in the loss between the last validation above the target and the first
+    at or below it (that one's own values if it is the first validation), and the step of that
+    first validation. ``train_s`` is the training clock, validation excluded (train.py's records)."""
+    prev = None
     for r in records:
-        if "val_loss" in r and r["val_loss"] <= target:
-            return {"seconds": r["train_s"], "tokens": r["tokens"], "step": r["step"]}
+        if "val_loss" not in r:
+            continue
+        if r["val_loss"] <= target:
+            if prev is None:
+                return {"seconds": r["train_s"], "tokens": r["tokens"], "step": r["step"]}
+            f = (prev["val_loss"] - target) / (prev["val_loss"] - r["val_loss"])
+            return {"seconds": prev["train_s"] + f * (r["train_s"] - prev["train_s"]),
+                    "tokens": int(round(prev["tokens"] + f * (r["tokens"] - prev["tokens"]))),
+                    "step": r["step"]}
+        prev = r
     return None
 
 
@@ -425,12 +436,14 @@ def markdown(config: dict, runs: List[dict]) -> str:
     peers = [p for p in PEERS if p in by_mode]
     head = ("| mode | best budget (steps) | seconds to target | tokens to target | "
             + "".join(f"vs {p} | " for p in peers) + "final val loss | link MB/rank/step |")
+    # seconds/tokens to target are interpolated between validations; "(by step N)": the first
+    # validation at or below the target
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in best:
         link = r["link_bytes_per_step"]
         reached = r["seconds_to_target"] is not None
         rows.append(f"| {r['mode']} | {r['steps']} | "
-                    + (f"{r['seconds_to_target']:.1f} (step {r['step_to_target']}) | {r['tokens_to_target']:,} | "
+                    + (f"{r['seconds_to_target']:.1f} (by step {r['step_to_target']}) | {r['tokens_to_target']:,} | "
                        if reached else f"not reached | – | ")
                     + "".join(f"{_ratio(r, by_mode[p])} | " for p in peers)
                     + f"{r['val_loss']:.4f} | {_fmt(link / 1e6 if link is not None else None, '.3f')} |")
