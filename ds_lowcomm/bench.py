@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
@@ -614,17 +614,23 @@ def parse_args(argv=None):
     return args
 
 
+def link_rate(regime: str, step_s: float, params: int, world: int) -> Tuple[str, float]:
+    """(tc rate, bytes per sync on the limited link) at which one DDP sync of ``params`` fp32
+    gradients takes ``SYNC_STEPS[regime]`` compute steps of ``step_s``. A sync moves
+    2(W-1)/W · 4P bytes per rank; on one namespace's loopback every rank's traffic shares the
+    limit (W times that); between two nodes each direction carries one ring edge's share."""
+    per_rank = 2 * (world - 1) / world * 4 * params
+    on_link = per_rank if regime == "two-node" else world * per_rank
+    bits_per_s = 8 * on_link / (SYNC_STEPS[regime] * step_s)
+    return f"{max(1, round(bits_per_s / 1e3))}kbit", on_link
+
+
 def calibrate(args, out: Path) -> str:
-    """The link rate at which one DDP sync takes ``SYNC_STEPS[regime]`` steps of this machine's
-    compute: a short run with no communication measures the compute time per step; a DDP sync
-    moves 2(W-1)/W · 4P bytes per rank. On one namespace's loopback every rank's traffic shares
-    the limit (W times that); between two nodes each direction carries one ring edge's share."""
+    """The regime's link rate from this machine's compute time per step, measured by a short run
+    with no communication (:func:`link_rate`)."""
     probe = run_one(args, "ideal", Link(None, None), out, "calibration", args.calibration_steps)
-    step_s, params, w = probe["step_time_s"], probe["params"], args.world_size
-    per_rank = 2 * (w - 1) / w * 4 * params
-    on_link = per_rank if args.regime == "two-node" else w * per_rank
-    bits_per_s = 8 * on_link / (SYNC_STEPS[args.regime] * step_s)
-    rate = f"{max(1, round(bits_per_s / 1e3))}kbit"
+    step_s, params = probe["step_time_s"], probe["params"]
+    rate, on_link = link_rate(args.regime, step_s, params, args.world_size)
     print(f"calibration: {step_s:.3f} s of compute per step, {params:,} parameters; a DDP sync puts "
           f"{on_link / 1e6:.2f} MB on the {'inter-node ' if args.regime == 'two-node' else ''}link: "
           f"{args.regime} = {SYNC_STEPS[args.regime]:g} step(s) per sync -> --bandwidth {rate}", flush=True)

@@ -42,6 +42,18 @@ def test_time_to_target_arithmetic():
     assert time_to_target(recs, 1.5) is None
 
 
+def test_link_rate_arithmetic():
+    """moderate: one DDP sync (2(W-1)/W · 4P bytes per rank, all W ranks on one loopback) in one
+    step of compute; slow: in ten; two-node: one rank's share per direction of the veth, in ten."""
+    from ds_lowcomm.bench import link_rate
+
+    # P = 1e6, W = 2: 4 MB per rank, 8 MB on the loopback; 0.5 s a step -> 128 Mbit/s.
+    assert link_rate("moderate", 0.5, 1_000_000, 2) == ("128000kbit", 8e6)
+    assert link_rate("slow", 0.5, 1_000_000, 2) == ("12800kbit", 8e6)
+    # W = 4: 6 MB per rank crosses each direction between the nodes; 1 s a step, 10 steps.
+    assert link_rate("two-node", 1.0, 1_000_000, 4) == ("4800kbit", 6e6)
+
+
 def test_bench_tiny(tmp_path):
     """`--regime fast` (no link limit) with a tiny model, every mode and peer."""
     modes = ["ideal", "ddp", "ddp-powersgd", "deepspeed", "zero1", "acco", "dpu"]
@@ -128,6 +140,25 @@ def test_link_bytes_match_accounting(tmp_path):
         assert abs(link - ours) <= 0.10 * ours, (mode, ours, link)
     # Stock ZeRO-1 all-reduces the full gradient: 1.5x zero1's bytes on the wire.
     assert runs["deepspeed"]["link_bytes_per_step"] >= 1.4 * runs["zero1"]["link_bytes_per_step"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
+                    reason="two network namespaces need root and iproute2")
+def test_two_node_regime(tmp_path):
+    """4 ranks as 2 nodes: calibrated, DeMo sharded inside a node (shard_group_size 2), and the
+    inter-node link (veth counters) carrying less for DeMo than for DDP."""
+    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--regime", "two-node", "--modes", "ddp,demo",
+                           "--model", "tiny", "--steps", "3", "--eval-iters", "1", "--evals", "1",
+                           "--calibration-steps", "2", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["config"]["regime"] == "two-node" and result["config"]["world_size"] == 4
+    assert "calibration:" in proc.stdout and result["config"]["bandwidth"].endswith("kbit")
+    assert json.loads((tmp_path / "configs" / "demo.3.json").read_text())["lowcomm"]["shard_group_size"] == 2
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert all(r["world_size"] == 4 for r in runs.values())
+    assert 0 < runs["demo"]["link_bytes_per_step"] < runs["ddp"]["link_bytes_per_step"]
 
 
 # Checkpoint bytes per parameter, fp32, 2 ranks (the shipped demo/desloc configs: one rank per
