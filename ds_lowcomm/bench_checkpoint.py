@@ -11,7 +11,11 @@ Run it from the root of a source checkout (it reads ``ds_configs/``). For each c
 on random tokens, calls ``engine.save_checkpoint(dir)`` once, then builds a fresh engine (other
 initial weights) and calls ``engine.load_checkpoint(dir)``. Per config it reports:
 
-- save seconds: wall time of ``save_checkpoint``, started right after a barrier, max over ranks;
+- save seconds: wall time of ``save_checkpoint``, started right after a barrier, max over ranks
+  (the time training stands still);
+- published seconds: until the checkpoint is complete and ``latest`` names it, max over ranks: the
+  save seconds, or with ``--async-save`` (``lowcomm.async_save`` in the ds_lowcomm configs) until
+  the background write is published (the bench waits for it without training);
 - bytes on the link during the save: the loopback ``tx_bytes`` counter of the ranks' private
   network namespace, read before and after the save with barriers around (every rank's traffic,
   counted once; the same window without a save is measured too, as the floor);
@@ -175,6 +179,9 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     engine.save_checkpoint(ckpt)
     save_s = time.perf_counter() - t0
+    if hasattr(engine, "checkpointer"):
+        engine.checkpointer.wait()  # an async save's background write: inside the RSS and link windows
+    published_s = time.perf_counter() - t0
     peak_save = _proc_status("VmHWM")
     dist.barrier()
     tx1 = _link_tx_bytes()
@@ -206,7 +213,7 @@ def worker(args) -> None:
     peak_load = _proc_status("VmHWM")
     digest_loaded = _weights_digest(engine.module)
 
-    mine = {"rank": rank, "train_s": train_s, "save_s": save_s, "load_s": load_s,
+    mine = {"rank": rank, "train_s": train_s, "save_s": save_s, "published_s": published_s, "load_s": load_s,
             "save_link_bytes": save_link, "empty_window_link_bytes": empty_window,
             "rss_imported": rss_imported, "peak_rss_train": peak_train,
             "rss_before_save": rss_before, "peak_rss_save": peak_save if reset_ok else None,
@@ -236,6 +243,8 @@ def write_config(label: str, args, out: Path) -> Path:
         cfg["scheduler"]["params"].update(total_num_steps=max(args.steps, 2), warmup_num_steps=1)
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
+    if args.async_save and "lowcomm" in cfg:
+        cfg["lowcomm"]["async_save"] = True
     path = out / "configs" / f"{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg, indent=2))
@@ -306,6 +315,7 @@ def summarize(label: str, raws: List[dict], isolated: bool) -> dict:
         "config": CONFIGS[label], "label": label, "mode": first["mode"], "params": params, "world_size": world,
         "steps": first["steps"], "repeats": len(raws),
         "save_s": med([over_ranks(r, "save_s") for r in raws]),
+        "published_s": med([over_ranks(r, "published_s") for r in raws]),
         # Loopback counts every rank's traffic once: rank 0's window is the whole namespace's.
         "save_link_bytes": med([r["ranks"][0]["save_link_bytes"] for r in raws]) if isolated else None,
         "empty_window_link_bytes": med([r["ranks"][0]["empty_window_link_bytes"] for r in raws]) if isolated else None,
@@ -328,13 +338,13 @@ def _fmt(x, spec, scale=1.0, suffix=""):
 
 def markdown(meta: dict, rows: List[dict]) -> str:
     stock = next((r for r in rows if r["label"] == STOCK), None)
-    head = ("| config | save s | save × stock | MB on link during save | load s | peak RSS train MB | "
+    head = ("| config | save s | save × stock | published s | MB on link during save | load s | peak RSS train MB | "
             "RSS growth at save MB | checkpoint MB on disk |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ratio = r["save_s"] / stock["save_s"] if stock and stock["save_s"] else None
         name = f"{r['config']} (stock)" if r["label"] == STOCK else r["config"]
-        lines.append(f"| {name} | {r['save_s']:.2f} | {_fmt(ratio, '.2f', suffix='×')} | "
+        lines.append(f"| {name} | {r['save_s']:.2f} | {_fmt(ratio, '.2f', suffix='×')} | {r['published_s']:.2f} | "
                      f"{_fmt(r['save_link_bytes'], '.3f', MB)} | {r['load_s']:.2f} | "
                      f"{_fmt(r['peak_rss_train_bytes'], ',.0f', MB)} | "
                      f"{_fmt(r['rss_growth_save_bytes'], ',.0f', MB)} | {r['checkpoint_bytes'] / MB:,.0f} |")
@@ -343,7 +353,8 @@ def markdown(meta: dict, rows: List[dict]) -> str:
     text = ["# ds_lowcomm checkpoint bench\n",
             f"{meta['world_size']} ranks (CPU, gloo), GPT-2 `{meta['model']}` ({p:,} parameters, "
             f"{'bf16' if meta['bf16'] else 'fp32'}), {meta['steps']} steps of micro-batch {meta['micro_batch']} × "
-            f"accumulation {meta['gas']} before the save, link {link}, medians over {meta['repeat']} run(s); "
+            f"accumulation {meta['gas']} before the save, link {link}, "
+            f"{'async_save on' if meta['async_save'] else 'synchronous saves'}, medians over {meta['repeat']} run(s); "
             f"seconds and RSS are the max over ranks, MB = 10^6 bytes.\n",
             f"Command: `{meta['command']}`\n", "\n".join(lines), "",
             "Bytes per parameter (peak RSS in training / parameters; \"above imports\": minus the RSS after "
@@ -415,6 +426,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", choices=list(MODELS), default="gpt2-29m",
                     help="GPT-2 size; tiny/small are for smoke runs")
     ap.add_argument("--bf16", action="store_true", help="bf16 model (default fp32)")
+    ap.add_argument("--async-save", action="store_true",
+                    help="lowcomm.async_save in the ds_lowcomm configs (stock DeepSpeed saves as always)")
     ap.add_argument("--steps", type=_positive, default=4, help="optimizer steps before the save")
     ap.add_argument("--micro-batch", type=_positive, default=1)
     ap.add_argument("--gas", type=_positive, default=2, help="gradient_accumulation_steps (even, for acco)")
@@ -464,7 +477,7 @@ def main(argv=None) -> Optional[dict]:
     link = Link(args.bandwidth, args.latency)
     isolated = link.ns is not None
     meta = {k: getattr(args, k) for k in ("world_size", "model", "bf16", "steps", "micro_batch", "gas",
-                                           "repeat", "seed")}
+                                           "repeat", "seed", "async_save")}
     meta.update(configs=args.config_list, bandwidth=link.bandwidth, latency=link.latency,
                 command=f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]))
     total, done, t_start, rows, all_raws = len(args.config_list) * args.repeat, 0, time.monotonic(), [], {}
@@ -477,6 +490,7 @@ def main(argv=None) -> Optional[dict]:
                 raws.append(run_config(args, label, link, out, rep))
                 r = raws[-1]
                 print(f"  save {max(x['save_s'] for x in r['ranks']):.2f} s | "
+                      f"published {max(x['published_s'] for x in r['ranks']):.2f} s | "
                       f"load {max(x['load_s'] for x in r['ranks']):.2f} s"
                       + (f" | {r['ranks'][0]['save_link_bytes'] / MB:.3f} MB on the link" if isolated else ""),
                       flush=True)

@@ -105,6 +105,9 @@ class LowCommConfig:
                                              "(a node); null = the whole world", minimum=1)
     collective_timeout_s: float = option(300.0, "seconds a collective may wait for a peer before the "
                                          "run aborts", minimum=0, exclusive_minimum=True)
+    async_save: bool = option(False, "save_checkpoint returns once this rank's state is copied; the "
+                              "file is written, hashed and made durable on a background thread and "
+                              "'latest' moves when every rank's file is complete")
     max_consecutive_skips: int = option(10, "consecutive steps skipped for a non-finite gradient "
                                         "(not counting fp16 overflows that lower the loss scale) "
                                         "after which the run stops as diverged", minimum=1)

@@ -112,7 +112,8 @@ class LowCommEngine(DeepSpeedEngine):
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             loss_scaler=_loss_scaler(self))
         self.optimizer.on_step_taken = self._after_lowcomm_step
-        self.checkpointer = Checkpointer(self.optimizer, self.global_rank, self.device)
+        self.checkpointer = Checkpointer(self.optimizer, self.global_rank, self.device, async_save=cfg.async_save,
+                                         timeout_s=cfg.collective_timeout_s)
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False
@@ -180,12 +181,24 @@ class LowCommEngine(DeepSpeedEngine):
         """Bytes sent/received per collective and per step, rounds, time in flight and waited."""
         return self.optimizer.comm_stats()
 
+    def destroy(self) -> None:
+        """Wait for a background checkpoint save (``async_save``) to be published, then
+        DeepSpeed's ``destroy`` (which stops the optimizer's comm worker)."""
+        try:
+            checkpointer = getattr(self, "checkpointer", None)
+            if checkpointer is not None:
+                checkpointer.close()
+        finally:
+            super().destroy()
+
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         """DeepSpeed's ``save_checkpoint`` (collective; its model file gets the weights and our
         optimizer's metadata), plus one file per rank with what that rank owns, a manifest, and
         ``latest`` written last (:class:`~ds_lowcomm.checkpoint.Checkpointer`): a save killed at
         any point leaves the previous checkpoint the one that resumes. Communication besides
-        DeepSpeed's: a barrier and each rank's file record; no optimizer state is gathered."""
+        DeepSpeed's: a barrier and each rank's file record; no optimizer state is gathered. With
+        ``lowcomm.async_save`` it returns once this rank's state is copied, and the rest (this
+        rank's file, the manifest, ``latest``) happens on a background thread."""
         # First, so every rank tags the same step: under acco a rank may be one launch behind.
         self.optimizer.settle()
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)

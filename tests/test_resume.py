@@ -5,6 +5,9 @@ One harness for every mode: it drives micro-batches one by one (backward and ``e
 each, DeepSpeed's loop), so the cut can fall mid-step where a mode allows it (acco, with a round
 in flight). Loads at another world size: test_checkpoint.py.
 """
+import os
+import time
+
 import pytest
 import torch
 
@@ -108,3 +111,37 @@ def test_resume(tmp_path, case):
         straight, first, second = r0["scales"]
         assert first == 2048.0 and second == straight == 4096.0, r0["scales"]
         assert r0["skipped"] == [1, 1]
+
+
+def _async_save(rank, world, save_dir):
+    """A save with ``async_save`` on a slow disk: training goes on while the files are written."""
+    import ds_lowcomm.checkpoint.checkpointer as checkpointer
+    write = checkpointer.atomic_save
+
+    def slow_disk(obj, path):
+        time.sleep(1.0)  # the training thread runs two more steps meanwhile
+        return write(obj, path)
+
+    checkpointer.atomic_save = slow_disk
+    cfg, total, cut = CASES["acco"]
+    cfg = dict(cfg, lowcomm=dict(cfg["lowcomm"], async_save=True))
+    first = workers.build_engine(cfg)
+    l_first = []
+    _run(first, rank, 0, cut, l_first)
+    first.save_checkpoint(save_dir, client_state={"j": cut})
+    published_at_return = os.path.exists(os.path.join(save_dir, "latest"))
+    _run(first, rank, cut, total, l_first)  # changes the state the background thread is writing
+    second = workers.build_engine(cfg, seed=123)
+    _, client = second.load_checkpoint(save_dir)  # waits for the save
+    l_second = []
+    _run(second, rank, client["j"], total, l_second)
+    digests = [workers.params_digest(e) for e in (first, second)]
+    first.destroy()
+    return dict(published_at_return=published_at_return, first=l_first[cut:], second=l_second, digests=digests)
+
+
+def test_async_save_writes_the_state_of_the_save_step(tmp_path):
+    for r in run_ranks(_async_save, 2, str(tmp_path)):
+        assert not r["published_at_return"]  # save_checkpoint returned before the files were done
+        assert r["second"] == r["first"] and len(r["first"]) == 36 - 17
+        assert r["digests"][1] == r["digests"][0]

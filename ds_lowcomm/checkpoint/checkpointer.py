@@ -5,15 +5,27 @@ writes rank 0's dict into its model file under ``"optimizer"``: that dict holds 
 Each rank then writes what it owns (``optimizer.rank_state_dict()``: its shards and its mode's
 per-rank state) to its own file; rank 0 writes the manifest, then ``latest``. Modes only describe
 their state; this component owns paths, order, atomicity and checks.
+
+With ``async_save`` a save returns once DeepSpeed's files are written and this rank's state is
+copied: the copy is written, hashed and made durable on a background thread while training goes
+on, and the manifest and ``latest`` follow when every rank's file is complete (a private gloo
+group agrees on that off the training thread), as torch.distributed.checkpoint's ``async_save``
+and torchtitan do. Until then ``latest`` still names the previous checkpoint, which stays
+resumable. The next save, any load, ``engine.destroy()``, ``torch.distributed.destroy_process_group``
+and interpreter exit wait for it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Tuple
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from ds_lowcomm.checkpoint.files import (MANIFEST, MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
@@ -27,16 +39,88 @@ STAGING = ".saving"
 REPLACED = ".replaced"
 logger = logging.getLogger("ds_lowcomm")
 
+#: background saves of this process not yet finished (any engine's): loads and exit wait for them
+_PENDING: "set[Future]" = set()
+_PENDING_LOCK = threading.Lock()
+
+
+def wait_for_saves() -> None:
+    """Block until every background save of this process has finished. Raises
+    :class:`CheckpointError` for the first one that failed (its checkpoint was not published:
+    ``latest`` still names the previous one)."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+    for future in pending:
+        future.result()
+
+
+def _wait_before_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` wait for background saves first: it tears
+    down the group a save finishes on, and scripts call it right after their last save."""
+    destroy = dist.destroy_process_group
+    if getattr(destroy, "waits_for_lowcomm_saves", False):
+        return
+
+    @functools.wraps(destroy)
+    def destroy_process_group(*args, **kwargs):
+        try:
+            wait_for_saves()
+        finally:
+            destroy(*args, **kwargs)
+
+    destroy_process_group.waits_for_lowcomm_saves = True
+    dist.destroy_process_group = destroy_process_group
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors training cannot change: each copied to the CPU (a GPU
+    tensor leaves the accelerator's memory alone; a CPU one is cloned)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return obj
+
 
 class Checkpointer:
     """Saves and loads one rank's part of a checkpoint of a
     :class:`~ds_lowcomm.optimizer.LowCommOptimizer` (``optimizer``), beside DeepSpeed's files.
 
     ``rank`` is the global rank, ``device`` where per-rank state is loaded to. Both methods are
-    collective over the default process group."""
+    collective over the default process group, and so is construction with ``async_save`` (it
+    creates the private gloo group the background saves agree on)."""
 
-    def __init__(self, optimizer, rank: int, device) -> None:
+    def __init__(self, optimizer, rank: int, device, async_save: bool = False,
+                 timeout_s: float = 300.0) -> None:
         self.optimizer, self.rank, self.device = optimizer, rank, device
+        self.async_save = async_save
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._group = None
+        self._pending: Optional[Future] = None
+        if async_save:
+            # gloo whatever the training backend: the records are CPU objects, and its own
+            # connections keep these collectives apart from the training thread's.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds_lowcomm-save")
+            _wait_before_destroy()
+
+    def wait(self) -> None:
+        """Block until this checkpointer's background save (if any) is published. Raises
+        :class:`CheckpointError` if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the background save, then stop the save thread (``engine.destroy()``)."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[str], Any]) -> Any:
         """``deepspeed_save(tag)`` (DeepSpeed's collective save, its ``latest`` switched off),
@@ -44,7 +128,10 @@ class Checkpointer:
         exists (a second save at the same step) is written beside it and swapped in only once
         complete, so the checkpoint it held stays loadable until then. Communication besides
         DeepSpeed's: a few hundred bytes of file records and flags, and barriers; no optimizer
-        state is gathered. Returns what ``deepspeed_save`` returned."""
+        state is gathered. With ``async_save`` this rank's state is copied (memory: one shard of
+        state and the mode's per-rank state, until written) and the rest runs on the save thread;
+        a previous background save is waited for first. Returns what ``deepspeed_save`` returned."""
+        self.wait()
         tag_dir = os.path.join(save_dir, tag)
         flag = [os.path.isdir(tag_dir)]
         dist.broadcast_object_list(flag, src=0)  # one decision for every rank
@@ -55,16 +142,51 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(save_dir, stale), ignore_errors=True)
         dist.barrier()
         out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
+        if not self.async_save:
+            self._publish(self.optimizer.rank_state_dict(), write_dir, tag_dir, save_dir, tag, save_latest, None)
+            return out
+        state = _snapshot(self.optimizer.rank_state_dict())
+        future = self._pool.submit(self._publish, state, write_dir, tag_dir, save_dir, tag, save_latest, self._group)
+        self._pending = future
+        with _PENDING_LOCK:
+            _PENDING.add(future)
+        future.add_done_callback(self._forget)
+        return out
+
+    @staticmethod
+    def _forget(future: Future) -> None:
+        with _PENDING_LOCK:
+            _PENDING.discard(future)
+        if future.exception() is not None:  # also raised at the next wait; logged now for the user
+            logger.error(f"ds_lowcomm: a background checkpoint save failed: {future.exception()}")
+
+    def _publish(self, state: Dict[str, Any], write_dir: str, tag_dir: str, save_dir: str, tag: str,
+                 save_latest: bool, group) -> None:
+        """Write this rank's file, agree with every rank that all files are complete, then (rank
+        0) the manifest, the swap of a re-saved tag, and ``latest``; ends with a barrier. On the
+        save thread with ``group`` (the private gloo group) under ``async_save``; else on the
+        caller's thread over the default group. A rank that fails to write tells the others, so
+        no rank waits and none publishes."""
         name = rank_file_name(self.rank)
-        with ThreadPoolExecutor(1) as pool:
-            # Rank 0 reads DeepSpeed's model file back for its hash while it writes its own file
-            # (hashlib and file I/O release the GIL).
-            model_record = pool.submit(file_record, os.path.join(write_dir, MODEL_FILE)) if self.rank == 0 else None
-            records = {name: atomic_save(self.optimizer.rank_state_dict(), os.path.join(write_dir, name))}
-            if model_record is not None:
-                records[MODEL_FILE] = model_record.result()
+        records: Dict[str, Any] = {}
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                # Rank 0 reads DeepSpeed's model file back for its hash while it writes its own
+                # file (hashlib and file I/O release the GIL).
+                model_record = (pool.submit(file_record, os.path.join(write_dir, MODEL_FILE))
+                                if self.rank == 0 else None)
+                records[name] = atomic_save(state, os.path.join(write_dir, name))
+                if model_record is not None:
+                    records[MODEL_FILE] = model_record.result()
+        except OSError as err:
+            records = {"error": f"rank {self.rank} could not write {os.path.join(write_dir, name)!r}: {err}"}
+        del state
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, records)
+        dist.all_gather_object(everyone, records, group=group)
+        errors = [r["error"] for r in everyone if "error" in r]
+        if errors:
+            raise CheckpointError(f"checkpoint {tag!r} in {save_dir!r} was not saved ({errors[0]}); "
+                                  f"'latest' still names the previous checkpoint")
         if self.rank == 0:
             write_manifest(write_dir, {k: v for r in everyone for k, v in r.items()})
             if write_dir != tag_dir:
@@ -76,15 +198,16 @@ class Checkpointer:
                 shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
             if save_latest:
                 atomic_write_text(os.path.join(save_dir, "latest"), tag)
-        dist.barrier()
-        return out
+        dist.barrier(group=group)
 
     def load(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
              deepspeed_load: Callable[[str], Any]) -> Any:
         """Check and read this rank's files (one verdict for every rank), then
         ``deepspeed_load(tag)`` (which calls ``optimizer.load_state_dict``, reading the flat state
         through ``optimizer.checkpoint_shards``), then this rank's per-rank state. Raises
-        :class:`CheckpointError` naming the file on every rank when any rank's files are bad."""
+        :class:`CheckpointError` naming the file on every rank when any rank's files are bad.
+        Background saves of this process are waited for first."""
+        wait_for_saves()
         try:
             tag = resolve_tag(load_dir, tag)
             if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(os.path.join(load_dir, tag + REPLACED)):
