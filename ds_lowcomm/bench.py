@@ -442,9 +442,11 @@ def markdown(config: dict, runs: List[dict]) -> str:
     for r in best:
         link = r["link_bytes_per_step"]
         reached = r["seconds_to_target"] is not None
+        # ideal's W trainings each see 1/W of the batch: a pace, not a time to this target
+        missed = "pace only | – | " if r["mode"] == "ideal" else "not reached | – | "
         rows.append(f"| {r['mode']} | {r['steps']} | "
                     + (f"{r['seconds_to_target']:.1f} (by step {r['step_to_target']}) | {r['tokens_to_target']:,} | "
-                       if reached else f"not reached | – | ")
+                       if reached else missed)
                     + "".join(f"{_ratio(r, by_mode[p])} | " for p in peers)
                     + f"{r['val_loss']:.4f} | {_fmt(link / 1e6 if link is not None else None, '.3f')} |")
     at = lambda mode, steps: next((o for o in runs if o["mode"] == mode and o["steps"] == steps), None)
