@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -646,8 +647,15 @@ def calibrate(args, out: Path) -> str:
     return rate
 
 
+def _exit_on_sigterm() -> None:
+    """Turn SIGTERM (a job scheduler, ``kill``) into SystemExit, so the ``finally`` blocks remove
+    the network namespaces as they do on Ctrl-C."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    _exit_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.regime in SYNC_STEPS and not args.bandwidth:
