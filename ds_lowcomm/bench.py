@@ -16,8 +16,8 @@ plots into ``--out``:
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
 ``zero1``, at its longest budget), raised by ``TARGET_TOLERANCE`` (1e-4, relative) so that an
-exact method that ends on the same loss up to float rounding counts as reaching it. Validation runs at ``--evals`` fixed steps per run, off the
-training clock. The schedule follows the budget (the LR decays to the end of each run), and the
+exact method that ends on the same loss up to float rounding counts as reaching it. Validation
+runs at ``--evals`` fixed steps per run, off the training clock. The schedule follows the budget (the LR decays to the end of each run), and the
 budget decides who wins: ``--budgets 100,200,400`` runs every mode, peers included, at each, and
 each mode is reported at the budget that reached the target soonest.
 
@@ -259,7 +259,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
             log_json.unlink(missing_ok=True)
             cmd = train_command(args, mode, config, 1, log_json, f"0:{slow[str(r)]}" if str(r) in slow else "",
                                 link, steps)
-            procs.append(subprocess.Popen(link.prefix() + cmd, env=env, stdout=subprocess.PIPE,
+            procs.append(_launch(link.prefix() + cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, cwd=ROOT))
         outs = [_follow(p, f"{label} rank {r}", quiet=r > 0) for r, p in enumerate(procs)]
         for r, text in enumerate(outs):
@@ -282,7 +282,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
     log_json.unlink(missing_ok=True)
     if link.nodes == 1:
         cmd = train_command(args, mode, config, args.world_size, log_json, args.slow_rank or "", link, steps)
-        proc = subprocess.Popen(link.prefix() + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = _launch(link.prefix() + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, cwd=ROOT)
         text = _follow(proc, label)
         link_bytes = None
@@ -296,7 +296,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
             cmd = train_command(args, mode, config, per_node, log_json, args.slow_rank or "", link, steps, launcher)
             # Other nodes write to a file: an unread pipe would fill and stall them.
             sink = subprocess.PIPE if node == 0 else open(logs / f"{label}.node{node}.log", "w")
-            procs.append(subprocess.Popen(link.prefix(node) + cmd, env=dict(env, **link.node_env(node)),
+            procs.append(_launch(link.prefix(node) + cmd, env=dict(env, **link.node_env(node)),
                                           stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
         text = _follow(procs[0], label)
         for node, p in enumerate(procs[1:], 1):
@@ -647,15 +647,37 @@ def calibrate(args, out: Path) -> str:
     return rate
 
 
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM (a job scheduler, ``kill``) into SystemExit, so the ``finally`` blocks remove
-    the network namespaces as they do on Ctrl-C."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+#: every training launch of this bench, so that a bench told to stop stops its runs too
+_LAUNCHED: List[subprocess.Popen] = []
+
+
+def _launch(cmd: List[str], **kwargs) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, **kwargs)
+    _LAUNCHED.append(proc)
+    return proc
+
+
+def _stop_on_sigterm() -> None:
+    """On SIGTERM (a job scheduler, ``kill``): stop the running launches (the launcher stops its
+    ranks), then exit through the ``finally`` blocks, which remove the network namespaces, as
+    Ctrl-C does (the terminal's SIGINT reaches the runs by itself)."""
+    def stop(signum, frame):
+        running = [p for p in _LAUNCHED if p.poll() is None]
+        for p in running:
+            p.terminate()
+        for p in running:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    _exit_on_sigterm()
+    _stop_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.regime in SYNC_STEPS and not args.bandwidth:

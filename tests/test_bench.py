@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,24 @@ def test_two_node_regime(tmp_path):
     runs = {r["mode"]: r for r in result["runs"]}
     assert all(r["world_size"] == 4 for r in runs.values())
     assert 0 < runs["demo"]["link_bytes_per_step"] < runs["ddp"]["link_bytes_per_step"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="the namespace needs root and iproute2")
+def test_sigterm_stops_the_runs_and_removes_the_namespace(tmp_path):
+    """A bench killed mid-run (a scheduler's SIGTERM) leaves no training process and no namespace."""
+    proc = subprocess.Popen([sys.executable, "-m", "ds_lowcomm.bench", "--modes", "zero1", "--model", "tiny",
+                             "--steps", "500", "--evals", "1", "--bandwidth", "10mbit", "--out", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # until training is under way
+        if "] step " in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.stdout.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"lowcomm-bench-{proc.pid}" not in namespaces
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], left
 
 
 # Checkpoint bytes per parameter, fp32, 2 ranks (the shipped demo/desloc configs: one rank per

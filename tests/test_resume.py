@@ -145,3 +145,53 @@ def test_async_save_writes_the_state_of_the_save_step(tmp_path):
         assert not r["published_at_return"]  # save_checkpoint returned before the files were done
         assert r["second"] == r["first"] and len(r["first"]) == 36 - 17
         assert r["digests"][1] == r["digests"][0]
+
+
+def _async_save_failure(rank, world, save_dir):
+    """Rank 1's background write of global_step2 fails (a full disk); then a re-save of that tag
+    on a slow disk, followed at once by destroy_process_group."""
+    import json
+
+    import torch.distributed as dist
+
+    import ds_lowcomm.checkpoint.checkpointer as checkpointer
+    from ds_lowcomm.checkpoint import CheckpointError
+    write, attempts = checkpointer.atomic_save, []
+
+    def disk(obj, path):
+        attempts.append(os.path.basename(os.path.dirname(path)))
+        if rank == 1 and attempts == ["global_step1", "global_step2"]:
+            raise OSError(28, "No space left on device")
+        time.sleep(0.5)
+        return write(obj, path)
+
+    checkpointer.atomic_save = disk
+    engine = workers.build_engine(_config("zero1", async_save=True))
+    _run(engine, rank, 0, 2, [])
+    engine.save_checkpoint(save_dir)  # global_step1
+    _run(engine, rank, 2, 4, [])
+    engine.save_checkpoint(save_dir)  # global_step2: fails on rank 1 in the background
+    try:
+        engine.save_checkpoint(save_dir, tag="never")  # the failure surfaces here, nothing saved
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    with open(os.path.join(save_dir, "latest")) as f:
+        latest_after_failure = f.read()
+    engine.save_checkpoint(save_dir)  # global_step2 again, beside the half-written one, then swapped in
+    dist.destroy_process_group()  # must wait for that save: it finishes on a group this tears down
+    with open(os.path.join(save_dir, "latest")) as f:
+        latest = f.read()
+    with open(os.path.join(save_dir, "global_step2", "lowcomm_manifest.json")) as f:
+        manifest = sorted(json.load(f)["files"])
+    return dict(error=error, latest_after_failure=latest_after_failure, latest=latest, manifest=manifest,
+                never=os.path.exists(os.path.join(save_dir, "never")))
+
+
+def test_async_save_failure_is_raised_everywhere_and_loses_nothing(tmp_path):
+    for r in run_ranks(_async_save_failure, 2, str(tmp_path)):
+        assert r["error"] is not None and "rank 1 could not write" in r["error"], r["error"]
+        assert "No space left on device" in r["error"]
+        assert r["latest_after_failure"] == "global_step1" and not r["never"]
+        assert r["latest"] == "global_step2"
+        assert r["manifest"] == ["lowcomm_rank00000.pt", "lowcomm_rank00001.pt", "mp_rank_00_model_states.pt"]

@@ -22,6 +22,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -45,13 +46,12 @@ _PENDING_LOCK = threading.Lock()
 
 
 def wait_for_saves() -> None:
-    """Block until every background save of this process has finished. Raises
-    :class:`CheckpointError` for the first one that failed (its checkpoint was not published:
-    ``latest`` still names the previous one)."""
+    """Block until every background save of this process (any engine's) has finished, published
+    or not. A failure is not raised here: it was logged when it happened and is raised by its own
+    checkpointer's next save (:meth:`Checkpointer.wait`)."""
     with _PENDING_LOCK:
         pending = list(_PENDING)
-    for future in pending:
-        future.result()
+    wait_all(pending)
 
 
 def _wait_before_destroy() -> None:
@@ -63,10 +63,8 @@ def _wait_before_destroy() -> None:
 
     @functools.wraps(destroy)
     def destroy_process_group(*args, **kwargs):
-        try:
-            wait_for_saves()
-        finally:
-            destroy(*args, **kwargs)
+        wait_for_saves()
+        return destroy(*args, **kwargs)
 
     destroy_process_group.waits_for_lowcomm_saves = True
     dist.destroy_process_group = destroy_process_group
@@ -178,8 +176,9 @@ class Checkpointer:
                 records[name] = atomic_save(state, os.path.join(write_dir, name))
                 if model_record is not None:
                     records[MODEL_FILE] = model_record.result()
-        except OSError as err:
-            records = {"error": f"rank {self.rank} could not write {os.path.join(write_dir, name)!r}: {err}"}
+        except Exception as err:  # noqa: BLE001  (any failure must reach the other ranks, not strand them)
+            records = {"error": f"rank {self.rank} could not write {os.path.join(write_dir, name)!r}: "
+                                f"{type(err).__name__}: {err}"}
         del state
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, records, group=group)
@@ -206,7 +205,8 @@ class Checkpointer:
         ``deepspeed_load(tag)`` (which calls ``optimizer.load_state_dict``, reading the flat state
         through ``optimizer.checkpoint_shards``), then this rank's per-rank state. Raises
         :class:`CheckpointError` naming the file on every rank when any rank's files are bad.
-        Background saves of this process are waited for first."""
+        Background saves of this process are waited for first (one that failed left ``latest``
+        on the previous checkpoint, which is what loads)."""
         wait_for_saves()
         try:
             tag = resolve_tag(load_dir, tag)
