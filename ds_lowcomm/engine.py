@@ -118,6 +118,15 @@ class LowCommEngine(DeepSpeedEngine):
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False
 
+    def zero_grad(self) -> None:
+        """The optimizer's ``zero_grad``, which leaves the accumulated sums to the mode. DeepSpeed's
+        (0.19.8; after every fp32 step at stage 0, and HF's Trainer calls it) sets each ``p.grad``
+        to None, which would make the next backward allocate a fresh gradient per parameter."""
+        if isinstance(getattr(self, "optimizer", None), LowCommOptimizer):
+            self.optimizer.zero_grad()
+        else:
+            super().zero_grad()
+
     def clip_fp32_gradients(self) -> None:
         """No-op: local gradients are unreduced; the optimizer clips after the reduce-scatter."""
 

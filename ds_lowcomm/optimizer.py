@@ -79,8 +79,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
         self.grads = GradAccumulator(self.flat)
         mode_cls = MODES[config.mode]
-        # On CPU the freed per-parameter gradients would stay resident (see release_freed_heap).
-        self._trim_heap = self.flat.device.type == "cpu"
+        # On CPU the per-parameter gradients freed after each backward (parameters that are not
+        # fp32) would stay resident (see release_freed_heap). fp32 ones are never freed.
+        self._trim_heap = self.flat.device.type == "cpu" and not self.grads.in_place
         self.worker = CommWorker(self.stats, self.flat.device,
                                  asynchronous=mode_cls.is_asynchronous(config.mode_options))
         self.micro_batches = 0
@@ -191,9 +192,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
                 f"(now {limit})")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in the accumulator, which the mode clears; ``p.grad`` is always None."""
-        for p in self.flat.params:
-            p.grad = None
+        """Leaves the gradient sums alone: they live in the accumulator, which the mode clears when
+        it takes a step. ``p.grad`` is the parameter's slice of it (fp32 parameters) or None, and
+        ``set_to_none`` is ignored."""
+        self.grads.attach()
 
     def flush(self) -> None:
         """Install any update still in flight (call before exporting the final model)."""

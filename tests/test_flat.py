@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_lowcomm.flat import FlatParams
+from ds_lowcomm.flat import FlatParams, GradAccumulator
 
 
 def _params():
@@ -33,3 +33,34 @@ def test_mixed_parameter_dtypes_are_refused():
     params[1].data = params[1].data.to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"one dtype.*torch.bfloat16.*torch.float32"):
         FlatParams([{"params": params}], world=1, rank=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_accumulator_sums_micro_batches_whoever_resets_p_grad(dtype):
+    """The fp32 sums equal the gradients autograd gives an independent copy of the parameters,
+    added up in fp32, even when someone sets ``p.grad`` to None between micro-batches (a module's
+    ``zero_grad()``). fp32 parameters' ``p.grad`` is their slice of the buffer: autograd adds into
+    the sum in place, no per-parameter gradient is kept."""
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(p.shape).to(dtype)) for p in _params()]
+    params = [torch.nn.Parameter(r.detach().clone()) for r in ref]
+    flat = FlatParams([{"params": params}], world=2, rank=0)
+    acc = GradAccumulator(flat)
+    want = torch.zeros(flat.layout.numel, dtype=torch.float64)
+    for micro in range(3):
+        x = torch.randn(4, dtype=torch.float64)
+        loss_of = lambda ps: sum((p.to(torch.float64).sum() * x[i]) ** 2 for i, p in enumerate(ps))  # noqa: E731
+        grads = torch.autograd.grad(loss_of(ref), ref)
+        want += torch.cat([g.to(torch.float64).flatten() for g in grads])
+        loss_of(params).backward()
+        if dtype == torch.float32:
+            assert all(p.grad.untyped_storage().data_ptr() == acc.buffer.untyped_storage().data_ptr()
+                       for p in params)
+        else:
+            assert all(p.grad is None for p in params)
+        if micro == 1:
+            for p in params:
+                p.grad = None
+    got = acc.buffer[: flat.layout.numel].to(torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert acc.buffer[flat.layout.numel:].abs().sum() == 0  # padding stays zero
