@@ -118,14 +118,17 @@ class Collectives:
         try:
             fn(*args, group=self.group, **kwargs)
         except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
-            raise CollectiveError(
-                f"ds_lowcomm: {op} of {nbytes} bytes on the {self.name} group failed on global rank "
-                f"{dist.get_rank()} after {time.perf_counter() - t0:.1f}s "
-                f"(collective_timeout_s={self.timeout_s:g}): {err}. Another rank probably died or "
-                f"stalled; its log says why.") from err
+            raise self._failed(op, nbytes, t0, err) from err
         sent, received = wire_bytes(op, nbytes, self.world)
         # Keyed by group too: what crosses the slow replica links is reported on its own.
         self.stats.record(f"{self.name}.{op}", sent, received, time.perf_counter() - t0)
+
+    def _failed(self, op: str, nbytes: int, t0: float, err: Exception) -> CollectiveError:
+        return CollectiveError(
+            f"ds_lowcomm: {op} of {nbytes} bytes on the {self.name} group failed on global rank "
+            f"{dist.get_rank()} after {time.perf_counter() - t0:.1f}s "
+            f"(collective_timeout_s={self.timeout_s:g}): {err}. Another rank probably died or "
+            f"stalled; its log says why.")
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        wire_dtype: Optional[torch.dtype] = None) -> None:
@@ -164,6 +167,39 @@ class Collectives:
             else:
                 dst.copy_(recv.sum(0, dtype=torch.float32))
             del recv
+
+    def reduce_scatter_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int,
+                             wire_dtype: Optional[torch.dtype] = None) -> None:
+        """:meth:`reduce_scatter` of the elements ``[start, end)`` of ``inp`` alone: each rank
+        receives the sums of the part of the range that lies in its own shard, into the same
+        place of ``out`` (this rank's shard), untouched elsewhere. Over ranges that tile ``inp``
+        it is :meth:`reduce_scatter`, with the same bytes in all ((W-1)/W · inp's bytes sent and
+        received per rank; per range, each rank sends the part of it other ranks own and receives
+        W-1 copies of its own part) and, on gloo, the same fp32 sums bit for bit. One all-to-all
+        with uneven splits.
+        """
+        wire_dtype = wire_dtype or inp.dtype
+        size, w, me = inp.numel() // self.world, self.world, self.rank
+        splits = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(w)]
+        mine = splits[me]
+        send = inp[start:end].to(wire_dtype, copy=True)
+        recv = send.new_empty(w * mine)
+        elem = send.element_size()
+        sent, received = (end - start - mine) * elem, (w - 1) * mine * elem
+        t0 = time.perf_counter()
+        try:
+            dist.all_to_all_single(recv, send, [mine] * w, splits, group=self.group)
+        except Exception as err:
+            raise self._failed("reduce_scatter", (end - start) * elem, t0, err) from err
+        self.stats.record(f"{self.name}.reduce_scatter", sent, received, time.perf_counter() - t0)
+        if mine:
+            # Rank order, fp32: the sums _reduce_scatter_by_chunks makes.
+            lo = max(start, me * size) - me * size
+            dst = out[lo:lo + mine]
+            if dst.dtype == torch.float32:
+                torch.sum(recv.view(w, mine), 0, dtype=torch.float32, out=dst)
+            else:
+                dst.copy_(recv.view(w, mine).sum(0, dtype=torch.float32))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Concatenate every rank's ``inp`` into ``out`` (W × inp). Cost: (W-1)/W · out bytes."""

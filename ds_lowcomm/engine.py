@@ -170,19 +170,20 @@ class LowCommEngine(DeepSpeedEngine):
         """DeepSpeed's ``backward``; with fp16 the loss is multiplied by the loss scale first (at
         ZeRO stage 0 DeepSpeed 0.19.8 only scales for its own optimizers) and the returned loss
         is unscaled again."""
-        scaler = getattr(self.optimizer, "loss_scaler", None)
-        if scaler is not None:
-            scale = self.optimizer.loss_scale
-            out = super().backward(scaler.scale_loss(loss), *args, **kwargs) / scale
-        else:
-            out = super().backward(loss, *args, **kwargs)
         if self._drives_steps():
             # Only a boundary the loop set itself (accelerate and the Trainer, through
             # set_gradient_accumulation_boundary, before every backward): DeepSpeed's own count
             # (micro_steps, not restored by load_checkpoint in 0.19.8) says nothing about acco's.
             boundary = self._is_gradient_accumulation_boundary is True
         else:
-            boundary = self.is_gradient_accumulation_boundary()
+            boundary = self.is_gradient_accumulation_boundary()  # micro_steps moves in step()
+        self.optimizer.on_backward_start(boundary)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            scale = self.optimizer.loss_scale
+            out = super().backward(scaler.scale_loss(loss), *args, **kwargs) / scale
+        else:
+            out = super().backward(loss, *args, **kwargs)
         self.optimizer.on_micro_batch_end(boundary)
         return out
 

@@ -9,7 +9,7 @@ shard optimizer steps with the group's hyperparameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,6 +141,8 @@ class GradAccumulator:
     produced and points ``p.grad`` back at the slice. Zeroing ``p.grad`` *in place*
     (``zero_grad(set_to_none=False)``) zeroes that part of the sum, as it would in stock
     DeepSpeed. ``micro_batches`` counts the backward passes summed since the last :meth:`zero_`.
+    ``on_final(p)``, when set, is called once ``p``'s gradient is in the sum (from autograd's
+    thread, in the order backward produces them).
     """
 
     def __init__(self, flat: FlatParams) -> None:
@@ -149,6 +151,7 @@ class GradAccumulator:
         self.micro_batches = 0
         #: ``p.grad`` is the parameter's slice of the buffer (fp32 parameters)
         self.in_place = flat.dtype == torch.float32
+        self.on_final: Optional[Callable[[torch.Tensor], None]] = None
         self._slices = {id(p): flat.view(self.buffer, p) for p in flat.params}
         self.attach()
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in flat.params]
@@ -160,10 +163,11 @@ class GradAccumulator:
 
     def _hook(self, p: torch.Tensor) -> None:
         grad, own = p.grad, self._slices[id(p)]
-        if grad is own:  # autograd added into the sum in place
-            return
-        own.add_(grad)
-        p.grad = own if self.in_place else None
+        if grad is not own:  # else autograd has added into the sum in place
+            own.add_(grad)
+            p.grad = own if self.in_place else None
+        if self.on_final is not None:
+            self.on_final(p)
 
     def zero_(self) -> None:
         self.buffer.zero_()

@@ -109,6 +109,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     # -- training -------------------------------------------------------------------------------
 
+    def on_backward_start(self, boundary: bool) -> None:
+        """Called by the engine before every backward pass (no communication)."""
+        self.mode.on_backward_start(boundary)
+
     def on_micro_batch_end(self, boundary: bool) -> None:
         """Called by the engine after every backward pass (no communication)."""
         self.grads.micro_batches += 1

@@ -82,6 +82,9 @@ class ShardedStepRound(StepRound):
         after_update: called in a real round after the update, or after its skip, and before the
             all-gather (DES-LOC averages the replicas' states there, so the all-gather spreads
             the average).
+        reduced: this rank's shard of the reduced ``grads``, already reduce-scattered (fp32,
+            loss-scaled, unscaled by ``scale``): the round starts at the norm (``zero1`` with
+            overlap, :class:`~ds_lowcomm.buckets.GradBuckets`). Modified in place.
 
     A non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
     master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
@@ -90,13 +93,15 @@ class ShardedStepRound(StepRound):
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
                  local_count: Optional[int] = None, estimate: bool = False,
-                 after_update: Optional[Callable[[], None]] = None) -> None:
+                 after_update: Optional[Callable[[], None]] = None,
+                 reduced: Optional[torch.Tensor] = None) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
         super().__init__()
         self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
         self.after_update = after_update
+        self.reduced = reduced
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
 
@@ -117,8 +122,10 @@ class ShardedStepRound(StepRound):
             comm.all_reduce(counts)
             self.rank_counts = [int(c) for c in counts.tolist()]
             scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
-        grad = self.grads.new_empty(layout.shard_size, dtype=torch.float32)
-        comm.reduce_scatter(grad, self.grads, wire_dtype=self.ctx.comm_dtype)
+        grad = self.reduced
+        if grad is None:
+            grad = self.grads.new_empty(layout.shard_size, dtype=torch.float32)
+            comm.reduce_scatter(grad, self.grads, wire_dtype=self.ctx.comm_dtype)
         grad.mul_(scale / self.loss_scale)
         self.grad_norm = clip_by_global_norm(comm, grad, self.ctx.gradient_clipping)
         self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank

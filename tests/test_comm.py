@@ -28,6 +28,18 @@ def _collectives(rank, world, chunk_bytes):
             got = torch.empty(SHARD)
             c.reduce_scatter(got, _inputs(rank), wire_dtype=wire)
             out[f"rs_{wire}"] = got
+        # The same sums range by range, last range first (as backward produces gradients): ranges
+        # inside one shard, straddling two, and one straddling all three.
+        cuts = [0, 400, 1001, 1500, 2600, WORLD * SHARD]
+        for wire in (torch.float32, torch.bfloat16):
+            op = stats.ops["shard.reduce_scatter"]
+            before = (op.bytes_sent, op.bytes_received)
+            got = torch.full((SHARD,), float("nan"))
+            for start, end in reversed(list(zip(cuts, cuts[1:]))):
+                c.reduce_scatter_range(got, _inputs(rank), start, end, wire_dtype=wire)
+            c.reduce_scatter_range(got, _inputs(rank), 0, WORLD * SHARD, wire_dtype=wire)  # one range
+            out[f"rs_range_{wire}"] = got
+            out[f"rs_range_bytes_{wire}"] = (op.bytes_sent - before[0], op.bytes_received - before[1])
         gathered = torch.empty(WORLD * SHARD)
         c.all_gather(gathered, _inputs(rank)[:SHARD])
         out["ag"] = gathered
@@ -51,9 +63,14 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         for r in range(1, WORLD):
             want_bf16 += inputs[r][rank].bfloat16().float()
         assert torch.equal(res["rs_torch.bfloat16"], want_bf16)
+        assert torch.equal(res["rs_range_torch.float32"], want)
+        assert torch.equal(res["rs_range_torch.bfloat16"], want_bf16)
+        # Ranges tiling the input cost what one reduce-scatter costs (two tilings here).
+        for wire, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+            assert res[f"rs_range_bytes_{wire}"] == pytest.approx((2 * (WORLD - 1) * SHARD * size,) * 2)
         assert torch.equal(res["ag"], torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)]))
         # Counted once per collective, at the ring formula's bytes: (W-1)/W of the full tensor.
         calls, sent = res["ops"]["shard.reduce_scatter"]
-        assert calls == 2 and sent == pytest.approx((WORLD - 1) / WORLD * WORLD * SHARD * (4 + 2))
+        assert calls == 2 + 2 * 6 and sent == pytest.approx(3 * (WORLD - 1) / WORLD * WORLD * SHARD * (4 + 2))
         calls, sent = res["ops"]["shard.all_gather"]
         assert calls == 1 and sent == pytest.approx((WORLD - 1) / WORLD * WORLD * SHARD * 4)

@@ -42,6 +42,9 @@ class Mode(abc.ABC):
         """Reject settings this mode cannot run: ``ds`` the DeepSpeed JSON, ``cfg`` the parsed
         :class:`~ds_lowcomm.config.LowCommConfig` (raise ``LowCommConfigError``)."""
 
+    def on_backward_start(self, boundary: bool) -> None:
+        """Called before every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
+
     def on_micro_batch_end(self, boundary: bool) -> None:
         """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
 

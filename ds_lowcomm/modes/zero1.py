@@ -9,12 +9,18 @@ Per optimizer step, over the shard group (the whole world)::
 
 P is the padded parameter count. DeepSpeed's own stage-1 optimizer (0.19.8) all-reduces the full
 gradient instead (``stage_1_and_2.py`` ``average_tensor``), twice the gradient bytes.
+
+With ``overlap`` the reduce-scatter runs bucket by bucket on the comm thread during the step's
+last backward pass (:class:`~ds_lowcomm.buckets.GradBuckets`, Megatron's ``overlap_grad_reduce``):
+the same collectives' bytes, and on gloo the same sums, so the same training bit for bit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 import torch
 
+from ds_lowcomm.buckets import GradBuckets
+from ds_lowcomm.config import option
 from ds_lowcomm.flat import gather_full
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_one_shard_group
@@ -23,7 +29,8 @@ from ds_lowcomm.sharded_step import ShardedStepRound
 
 @dataclass(frozen=True)
 class Zero1Options:
-    """zero1 has no options of its own."""
+    overlap: bool = option(False, "reduce-scatter the gradient bucket by bucket while the step's last "
+                           "backward pass runs (a comm thread); the same result")
 
 
 class Zero1(Mode):
@@ -36,16 +43,44 @@ class Zero1(Mode):
         super().__init__(ctx, options)
         require_one_shard_group(ctx, self.name)
         self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
+        self.buckets = GradBuckets(ctx) if options.overlap else None
+
+    @classmethod
+    def is_asynchronous(cls, options: Zero1Options) -> bool:
+        return options.overlap
+
+    def on_backward_start(self, boundary: bool) -> None:
+        if boundary and self.buckets is not None:
+            self.buckets.arm()
+
+    def on_micro_batch_end(self, boundary: bool) -> None:
+        if boundary and self.buckets is not None:
+            self.buckets.finish()
 
     def step(self) -> None:
         ctx = self.ctx
+        reduced = None
+        if self.buckets is not None:
+            if self.buckets.out is None:
+                raise RuntimeError("ds_lowcomm: zero1 with overlap stepped without a boundary backward "
+                                   "pass (call engine.backward before engine.step)")
+            for ticket in self.buckets.tickets:  # a failed bucket raises here
+                ctx.worker.wait(ticket)
+            reduced, self.buckets.out = self.buckets.out, None
         rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer,
-                               scale=1.0 / ctx.topology.shard.world)
+                               scale=1.0 / ctx.topology.shard.world, reduced=reduced)
         rnd.pack()
         ctx.worker.wait(ctx.worker.submit(rnd))
         rnd.install()
         ctx.grads.zero_()
         ctx.step_taken()
+
+    def metrics(self) -> dict:
+        if self.buckets is None:
+            return {}
+        # The share of gradient buckets whose reduce-scatter started before the backward ended.
+        return {"grad_buckets": len(self.buckets.ranges),
+                "grad_buckets_overlapped": self.buckets.launched_in_backward / max(self.buckets.launched, 1)}
 
     def master_weights(self) -> torch.Tensor:
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
