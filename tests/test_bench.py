@@ -57,13 +57,13 @@ def test_link_rate_arithmetic():
 
 def test_bench_tiny(tmp_path):
     """`--regime fast` (no link limit) with a tiny model, every mode and peer."""
-    modes = ["ideal", "ddp", "ddp-powersgd", "deepspeed", "zero1", "acco", "dpu"]
+    modes = ["ideal", "ddp", "ddp-powersgd", "deepspeed", "zero1", "acco", "dpu", "zero1-overlap"]
     proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--regime", "fast", "--modes", ",".join(modes),
                            "--model", "tiny", "--steps", "5", "--eval-iters", "2", "--evals", "5",
                            "--powersgd-rank", "1", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[1/7] ideal" in proc.stdout and "[7/7] dpu" in proc.stdout
+    assert "[1/8] ideal" in proc.stdout and "[8/8] zero1-overlap" in proc.stdout
     result = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in result["runs"]] == modes
     assert result["config"]["steps"] == 5 and result["config"]["world_size"] == 2
@@ -74,6 +74,11 @@ def test_bench_tiny(tmp_path):
     by_mode = {r["mode"]: r for r in result["runs"]}
     assert by_mode["ideal"]["bytes_sent_per_rank_per_step"] == 0
     assert by_mode["acco"]["bytes_sent_per_rank_per_step"] > 1.9 * by_mode["zero1"]["bytes_sent_per_rank_per_step"]
+    # zero1-overlap is zero1 with its reduce-scatter overlapped: the same training exactly.
+    cfg = json.loads((tmp_path / "configs" / "zero1-overlap.5.json").read_text())
+    assert cfg["lowcomm"]["zero1"] == {"overlap": True}
+    for key in ("val_loss", "final_train_loss", "bytes_sent_per_rank_per_step"):
+        assert by_mode["zero1-overlap"][key] == by_mode["zero1"][key], key
     # Every mode's loss fell: first logged step vs the end.
     # The default target is DDP's final val loss (+ 1e-4 for float rounding); each run reaches it
     # by its first validation at or below it (read here from the run's own log), no later than
