@@ -70,7 +70,7 @@ class GradBuckets:
             self._buckets_of[id(p)] = list(range(first, last + 1))
             for b in self._buckets_of[id(p)]:
                 self._params_in[b] += 1
-        self._names = {id(p): i for i, p in enumerate(flat.params)}
+        self._names = {id(p): f"#{i} (shape {list(p.shape)})" for i, p in enumerate(flat.params)}
         self._armed = False
         self._pending: List[int] = []
         self._final: set = set()

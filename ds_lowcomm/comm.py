@@ -160,12 +160,7 @@ class Collectives:
             recv = torch.empty_like(send)
             dist.all_to_all_single(recv, send, group=group)
             del send
-            # Sum in rank order, in fp32 for low-precision inputs: deterministic and the same on every rank.
-            dst = out[a:a + recv.shape[1]]
-            if dst.dtype == torch.float32:
-                torch.sum(recv, 0, dtype=torch.float32, out=dst)
-            else:
-                dst.copy_(recv.sum(0, dtype=torch.float32))
+            _sum_rows(recv, out[a:a + recv.shape[1]])
             del recv
 
     def reduce_scatter_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int,
@@ -193,13 +188,8 @@ class Collectives:
             raise self._failed("reduce_scatter", (end - start) * elem, t0, err) from err
         self.stats.record(f"{self.name}.reduce_scatter", sent, received, time.perf_counter() - t0)
         if mine:
-            # Rank order, fp32: the sums _reduce_scatter_by_chunks makes.
             lo = max(start, me * size) - me * size
-            dst = out[lo:lo + mine]
-            if dst.dtype == torch.float32:
-                torch.sum(recv.view(w, mine), 0, dtype=torch.float32, out=dst)
-            else:
-                dst.copy_(recv.view(w, mine).sum(0, dtype=torch.float32))
+            _sum_rows(recv.view(w, mine), out[lo:lo + mine])
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Concatenate every rank's ``inp`` into ``out`` (W × inp). Cost: (W-1)/W · out bytes."""
@@ -230,6 +220,15 @@ class Collectives:
         other = Collectives.__new__(Collectives)
         other.__dict__.update(self.__dict__, stats=stats)
         return other
+
+
+def _sum_rows(rows: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst`` = the sum of ``rows`` (one per rank) in rank order, in fp32 for low-precision
+    inputs: deterministic, the same on every rank, and the same however the shard is chunked."""
+    if dst.dtype == torch.float32:
+        torch.sum(rows, 0, dtype=torch.float32, out=dst)
+    else:
+        dst.copy_(rows.sum(0, dtype=torch.float32))
 
 
 def deepspeed_logged_bytes(comms_dict: dict, world: int) -> Tuple[float, float]:

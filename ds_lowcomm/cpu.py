@@ -42,8 +42,8 @@ def release_freed_heap() -> None:
     blocks below its mmap threshold (32 MiB at most), so the per-parameter gradients autograd
     frees after each backward (parameters that are not fp32: see ``GradAccumulator``) stay
     resident and add up to tens of MB of peak RSS that no tensor uses. It is not free: the next
-    backward faults every released page back in (on the bench's small model, tenfold page
-    faults). Other accelerators keep tensors in device memory: call it on CPU only.
+    backward faults every released page back in (see the README's fast regime). Other
+    accelerators keep tensors in device memory: call it on CPU only.
     """
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

@@ -4,7 +4,7 @@ DeepSpeed is built at ZeRO stage 0 (the user's JSON says 1; :mod:`ds_lowcomm.ini
 a copy) so it creates no ZeRO optimizer, and the engine's all-reduce is switched off. The overrides
 below are the engine hooks that have been stable since DeepSpeed 0.10:
 ``_configure_optimizer``, ``clip_fp32_gradients``, ``enable_backward_allreduce``, ``backward``,
-``load_checkpoint``.
+``zero_grad``, ``save_checkpoint``, ``load_checkpoint``, ``destroy``.
 """
 from __future__ import annotations
 

@@ -132,9 +132,9 @@ class GradAccumulator:
 
     fp32 parameters (``in_place``): each ``p.grad`` *is* the parameter's slice of the buffer, as
     with DDP's ``gradient_as_bucket_view``, so autograd adds every micro-batch's gradient into the
-    sum in place and no per-parameter gradient is allocated, copied or freed. (Freeing one per
-    parameter per micro-batch cost a fresh page-faulted heap on CPU at every backward.) Other
-    dtypes: a post-accumulate-grad hook adds ``p.grad`` into the buffer in fp32 and frees it.
+    sum in place and no per-parameter gradient is allocated, copied or freed (on CPU, freed ones
+    leave heap pages that must be trimmed and then faulted in again). Other dtypes: a
+    post-accumulate-grad hook adds ``p.grad`` into the buffer in fp32 and frees it.
 
     The same hook keeps the sum whole when someone has set ``p.grad`` to None or to another
     tensor (DeepSpeed's ``engine.zero_grad``, a module's ``zero_grad()``): it adds what autograd

@@ -1,5 +1,6 @@
 """zero1 against stock DeepSpeed ZeRO-1: same losses, identical replicas, two thirds of the bytes."""
 import pytest
+import torch
 
 import workers
 from dist import run_ranks
@@ -36,9 +37,43 @@ def _zero1_with_and_without_overlap(rank, world, bf16):
         engine = workers.build_engine(workers.config("zero1", bf16=bf16, zero1={"overlap": overlap}))
         digests = []
         losses = workers.train(engine, 6, rank=rank, digests=digests)
-        out[overlap] = dict(losses=losses, digests=digests, stats=engine.comm_stats())
+        buffer = engine.optimizer.grads.buffer.untyped_storage().data_ptr()
+        # After DeepSpeed's step bookkeeping (which sets p.grad to None in stock 0.19.8 fp32).
+        grads = ["sum" if p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer
+                 else p.grad for p in engine.module.parameters()]
+        out[overlap] = dict(losses=losses, digests=digests, stats=engine.comm_stats(), grads=grads)
         engine.destroy()
     return out
+
+
+class _SharedLayerTwice(torch.nn.Module):
+    """One Linear applied in two reentrant checkpoint segments (weight sharing across
+    checkpointed layers): its gradient arrives twice in one backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.lin, x, use_reentrant=True)
+        h = checkpoint(self.lin, torch.tanh(h), use_reentrant=True)
+        return self.head(h).pow(2).mean()
+
+
+def _reentrant_twice(rank, world):
+    engine = workers.build_engine(workers.config("zero1", zero1={"overlap": True}), model=_SharedLayerTwice())
+    try:
+        for _ in range(engine.gradient_accumulation_steps()):
+            engine.backward(engine(torch.randn(4, 8, requires_grad=True)))
+            engine.step()
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+    return None
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -54,6 +89,16 @@ def test_zero1_overlap_is_zero1_bit_for_bit(bf16):
             assert over["stats"][key] == pytest.approx(sync["stats"][key], rel=1e-12)
         assert over["stats"]["grad_buckets"] >= 8
         assert over["stats"]["grad_buckets_overlapped"] > 0.5
+        # fp32: every p.grad is its slice of the fp32 sums, across steps; bf16: no p.grad kept.
+        for run in (sync, over):
+            assert run["grads"] == (["sum"] * len(run["grads"]) if not bf16 else [None] * len(run["grads"]))
+
+
+def test_zero1_overlap_refuses_a_gradient_delivered_twice():
+    """Reentrant checkpointing delivers a shared weight's gradient once per segment; its bucket
+    could leave with part of the sum. Refused, on every rank, naming the way out; no hang."""
+    for message in run_ranks(_reentrant_twice, 2, timeout=120):
+        assert message is not None and "got its gradient twice" in message and "use_reentrant=False" in message
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
