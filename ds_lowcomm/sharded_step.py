@@ -4,6 +4,7 @@ The round of every mode that keeps ZeRO-1's sharded AdamW (``zero1``, both round
 Communication, over the shard group of W ranks, for P padded elements::
 
     all-reduce      micro-batch count per rank (only when they can differ)  2(W-1)/W · 8W bytes
+                    (16W with each rank's seconds per micro-batch, ``local_pace``)
     reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
     all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
@@ -77,6 +78,9 @@ class ShardedStepRound(StepRound):
         local_count: instead of ``scale``, the number of micro-batches summed on this rank when
             ranks may differ; the counts are all-reduced and ``scale = GAS / global count``, so
             every micro-batch weighs the same whoever computed it.
+        local_pace: with ``local_count``, this rank's seconds per micro-batch (0 when unknown),
+            shared in the same all-reduce: every rank learns every rank's pace
+            (``rank_paces``; acco lets the fastest rank set the pace of its rounds with it).
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
         after_update: called in a real round after the update, or after its skip, and before the
@@ -92,18 +96,24 @@ class ShardedStepRound(StepRound):
 
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
-                 local_count: Optional[int] = None, estimate: bool = False,
+                 local_count: Optional[int] = None, local_pace: Optional[float] = None,
+                 estimate: bool = False,
                  after_update: Optional[Callable[[], None]] = None,
                  reduced: Optional[torch.Tensor] = None) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
+        if local_pace is not None and local_count is None:
+            raise ValueError("local_pace rides on the local_count all-reduce: give local_count too")
         super().__init__()
         self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
+        self.local_pace = local_pace
         self.after_update = after_update
         self.reduced = reduced
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
+        #: with ``local_pace``: each rank's seconds per micro-batch (0 where unknown)
+        self.rank_paces: Optional[List[float]] = None
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
@@ -117,10 +127,16 @@ class ShardedStepRound(StepRound):
         scale = self.scale
         if self.local_count is not None:
             # A vector, not the sum: every rank learns every rank's count (metrics) at no extra call.
-            counts = torch.zeros(comm.world, dtype=torch.float64, device=self.grads.device)
+            paced = self.local_pace is not None
+            counts = torch.zeros(comm.world * (2 if paced else 1), dtype=torch.float64, device=self.grads.device)
             counts[comm.rank] = self.local_count
+            if paced:
+                counts[comm.world + comm.rank] = self.local_pace
             comm.all_reduce(counts)
-            self.rank_counts = [int(c) for c in counts.tolist()]
+            values = counts.tolist()
+            self.rank_counts = [int(c) for c in values[:comm.world]]
+            if paced:
+                self.rank_paces = values[comm.world:]
             scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
         grad = self.reduced
         if grad is None:

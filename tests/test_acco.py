@@ -12,14 +12,14 @@ GAS = 4
 STEPS = 10
 
 
-def acco_config(variant="acco", wait=False, gas=GAS):
-    cfg = workers.config("acco", acco={"variant": variant, "accumulate_while_waiting": wait})
+def acco_config(variant="acco", wait=False, gas=GAS, balance=True):
+    cfg = workers.config("acco", acco={"variant": variant, "accumulate_while_waiting": wait, "balance": balance})
     cfg["gradient_accumulation_steps"] = gas
     return cfg
 
 
-def _train_acco(rank, world, variant, wait, slow_rank, step_every):
-    engine = workers.build_engine(acco_config(variant, wait))
+def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance):
+    engine = workers.build_engine(acco_config(variant, wait, balance=balance))
     j = 0
     while engine.global_steps < STEPS:
         x = workers.batch(j, 0, rank)  # this rank's j-th micro-batch
@@ -92,14 +92,17 @@ def simulate(blocks, variant, cfg):
     return master.detach(), live
 
 
-@pytest.mark.parametrize("variant,wait,slow_rank,step_every", [
-    ("acco", False, None, 1),    # the nominal schedule: GAS/2 micro-batches per round on every rank
-    ("acco", False, None, GAS),  # the same, engine.step() only every GAS micro-batches (HF loop)
-    ("acco", True, 1, 1),        # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits
-    ("dpu", False, None, 1),
-], ids=["acco", "acco-hf-loop", "acco-uneven", "dpu"])
-def test_matches_simulation(variant, wait, slow_rank, step_every):
-    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every)
+@pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance", [
+    ("acco", False, None, 1, True),    # the nominal schedule: GAS/2 micro-batches per round on every rank
+    ("acco", False, None, GAS, True),  # the same, engine.step() only every GAS micro-batches (HF loop)
+    # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits; balanced, rank 1
+    # launches its rounds after one micro-batch once the paces are known, so rank 0 sets the pace
+    ("acco", True, 1, 1, True),
+    ("acco", True, 1, 1, False),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
+    ("dpu", False, None, 1, True),
+], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "dpu"])
+def test_matches_simulation(variant, wait, slow_rank, step_every, balance):
+    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance)
     blocks = [x["blocks"] for x in r]
     assert r[0]["steps"] == STEPS and len(blocks[0]) == len(blocks[1])
     if slow_rank is None:
@@ -107,6 +110,13 @@ def test_matches_simulation(variant, wait, slow_rank, step_every):
     else:
         # The fast rank contributed more micro-batches than the slow one.
         assert r[0]["micro_batches"] > r[1]["micro_batches"], (r[0]["counts"], r[1]["counts"])
+        slow_blocks = blocks[slow_rank]
+        if balance:
+            # The first rounds go before any pace is known (GAS/2 each); from the fourth round
+            # on rank 1 knows it is ~4x slower and stops at one micro-batch.
+            assert slow_blocks[:2] == [GAS // 2] * 2 and set(slow_blocks[4:]) == {1}, slow_blocks
+        else:
+            assert min(slow_blocks) >= GAS // 2, slow_blocks
     assert torch.equal(r[0]["master"], r[1]["master"]) and torch.equal(r[0]["live"], r[1]["live"])
     assert r[0]["flushed"] and r[1]["flushed"]
     master, live = simulate(blocks, variant, acco_config(variant, wait))

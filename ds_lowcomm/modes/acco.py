@@ -21,6 +21,13 @@ there, without an estimate if none was launched yet, so the loop's steps and our
 computing micro-batches instead of waiting; the counts are all-reduced in the round and the sum is
 divided by the global count, so every micro-batch weighs the same whoever computed it.
 
+``balance`` (default, with ``accumulate_while_waiting``): on uneven hardware the slowest rank would
+still set the pace, since a round cannot start before every rank has its GAS/2 micro-batches.
+Instead each rank measures its seconds per micro-batch (the median of its recent ones, waits
+excluded) and shares it in the round's count all-reduce; a rank k times slower than the fastest
+launches its rounds after round(GAS/2 / k) micro-batches, at least one. The fastest rank then sets
+the pace and the global count still weights the sum.
+
 ``variant: "dpu"``: one real round per step of GAS micro-batches, installed one step late
 (θ(t+1) = θ(t) − AdamW(g(θ(t−1)))), for comparison; no estimate.
 
@@ -30,9 +37,11 @@ accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradie
 """
 from __future__ import annotations
 
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List
+from typing import Deque, List, Optional
 
 import torch
 
@@ -52,6 +61,9 @@ class AccoOptions:
                           choices=("acco", "dpu"))
     accumulate_while_waiting: bool = option(True, "keep computing micro-batches while a round is "
                                             "in flight instead of waiting for it")
+    balance: bool = option(True, "with accumulate_while_waiting: a rank slower than the fastest launches "
+                           "its rounds after fewer micro-batches (in proportion to its measured speed, "
+                           "at least one), so the fastest rank sets the pace instead of the slowest")
 
 
 class Acco(Mode):
@@ -80,6 +92,12 @@ class Acco(Mode):
         gas = ctx.gradient_accumulation_steps
         self.two_rounds = options.variant == "acco"
         self.per_round = gas // 2 if self.two_rounds else gas
+        # Micro-batches after which this rank may launch its next round: per_round, or fewer on a
+        # slower rank under ``balance`` (set from every rank's pace as each round is installed).
+        self.quota = self.per_round
+        self.balance = options.balance and options.accumulate_while_waiting
+        self.micro_batch_seconds: Deque[float] = deque(maxlen=8)  # this rank's latest, waits excluded
+        self._compute_since: Optional[float] = None
         layout = ctx.flat.layout
         self.adamw = ShardAdamW(layout, ctx.flat.buffer)
         self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
@@ -100,8 +118,11 @@ class Acco(Mode):
         """``boundary``: the loop said this micro-batch ends its step (accelerate and the Trainer
         say so before every backward); a DeepSpeed loop that calls ``engine.step()`` every
         micro-batch says nothing, and acco keeps its own count."""
+        now = time.perf_counter()
+        if self._compute_since is not None:
+            self.micro_batch_seconds.append(now - self._compute_since)
         self.since_switch += 1
-        if self.since_switch >= self.per_round and (
+        if self.since_switch >= self.quota and (
                 not self.options.accumulate_while_waiting or self.inflight.ready()):
             self._switch()  # else: compute another micro-batch while the round runs
         pending = self.inflight.round
@@ -112,6 +133,8 @@ class Acco(Mode):
             # not launched yet, the step gets only its real round.
             self.next_estimate = False
             self._switch()
+        # From here to the next call is this rank's compute (the switch's wait is not).
+        self._compute_since = time.perf_counter()
 
     def _switch(self) -> None:
         """Install the finished round (if any) and launch the next one."""
@@ -140,6 +163,9 @@ class Acco(Mode):
         rnd = self.inflight.install()
         if rnd is not None and rnd.rank_counts is not None:
             self.rank_round_counts.append(rnd.rank_counts)
+        if rnd is not None and rnd.rank_paces is not None and min(rnd.rank_paces) > 0:
+            slower = rnd.rank_paces[self.ctx.topology.shard.rank] / min(rnd.rank_paces)
+            self.quota = max(1, min(self.per_round, int(self.per_round / slower + 0.5)))
 
     def _launch(self) -> None:
         grads = self.ctx.grads
@@ -150,8 +176,11 @@ class Acco(Mode):
             # the first half, so the accumulator is cleared after real rounds only (clearing it
             # after estimates too would degrade ACCO to DPU).
             grads.zero_()
+        pace = None
+        if self.balance:  # 0: not measured yet (the quota stays as it is)
+            pace = statistics.median(self.micro_batch_seconds) if len(self.micro_batch_seconds) >= 3 else 0.0
         rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=count,
-                               estimate=self.next_estimate)
+                               local_pace=pace, estimate=self.next_estimate)
         rnd.pack()
         self.inflight.launch(rnd)
         self.round_counts.append(count)
@@ -217,6 +246,7 @@ class Acco(Mode):
         saved = state["acco"]
         self.inflight.drop()
         self.launched = 0
+        self.quota = self.per_round  # re-measured from the next round on
         if saved["variant"] != self.options.variant:
             raise CheckpointError(f"checkpoint was written with lowcomm.acco.variant {saved['variant']!r}, "
                                   f"this run uses {self.options.variant!r}")
@@ -233,6 +263,7 @@ class Acco(Mode):
         self.adamw.load_shards(shards, None)
         self.inflight.drop()
         self.launched = 0
+        self.quota = self.per_round  # re-measured from the next round on
         self.next_estimate = self.two_rounds
         self.since_switch = 0
         self.ctx.grads.zero_()
