@@ -1,4 +1,5 @@
-"""GradBuckets: the step's gradient reduce-scatter, bucket by bucket, during its last backward pass.
+"""Bucketed overlap for ``zero1``: the gradient reduce-scatter during the step's last backward
+pass (:class:`GradBuckets`), the parameter all-gather during the next forward (:class:`ParamBuckets`).
 
 Megatron's ``overlap_grad_reduce`` for ZeRO-1, on ds_lowcomm's flat layout. The padded flat
 gradient buffer is cut into contiguous buckets, numbered from its end (backward produces the last
@@ -12,8 +13,15 @@ are final, as DDP's reducer does: every rank issues the same collectives in the 
 whatever its own hook order. After the backward :meth:`finish` launches what is left (the buckets
 of parameters that got no gradient). Over all buckets this is one reduce-scatter of the buffer:
 the same bytes, and on gloo the same fp32 sums bit for bit.
+
+Megatron's ``overlap_param_gather``: after the sharded AdamW, the new parameters are all-gathered
+bucket by bucket from the start of the buffer (the order the forward pass uses them) on the comm
+worker while the training thread returns to the loop; a forward pre-hook on each module waits for
+the buckets holding its own parameters. The same bytes as one all-gather, the same values.
 """
 from __future__ import annotations
+
+import functools
 
 from typing import Dict, List, Optional, Tuple
 
@@ -28,6 +36,11 @@ from ds_lowcomm.worker import Ticket
 BUCKET_BYTES = 25 << 20
 #: a smaller model still gets this many buckets, so that something overlaps
 MIN_BUCKETS = 8
+
+
+def _bucket_size(padded: int) -> int:
+    size = min(BUCKET_BYTES // 4, -(-padded // MIN_BUCKETS))
+    return -(-size // ALIGN) * ALIGN
 
 
 class BucketRound(Round):
@@ -58,8 +71,7 @@ class GradBuckets:
         self.out: Optional[torch.Tensor] = None
         flat = ctx.flat
         padded = flat.layout.padded
-        size = min(BUCKET_BYTES // 4, -(-padded // MIN_BUCKETS))
-        size = -(-size // ALIGN) * ALIGN
+        size = _bucket_size(padded)
         #: ``(start, end)`` of each bucket, bucket 0 at the end of the buffer
         self.ranges: List[Tuple[int, int]] = [(max(0, end - size), end) for end in range(padded, 0, -size)]
         self._buckets_of: Dict[int, List[int]] = {}
@@ -121,3 +133,82 @@ class GradBuckets:
             self.tickets.append(self.ctx.worker.submit(rnd))
             self._next += 1
             self.launched += 1
+
+
+class GatherRound(Round):
+    """The all-gather of one bucket ``[start, end)`` of the new parameters into the model's."""
+
+    def __init__(self, ctx: ModeContext, shard: torch.Tensor, start: int, end: int) -> None:
+        self.ctx, self.shard, self.start, self.end = ctx, shard, start, end
+
+    def pack(self) -> None:
+        """Nothing to capture: ``shard`` is the step's result, written before this round runs."""
+
+    def run(self) -> None:
+        self.ctx.topology.shard.all_gather_range(self.ctx.flat.buffer, self.shard, self.start, self.end)
+
+    def install(self) -> None:
+        """Nothing to install: the range lands in the model's parameters."""
+
+
+class ParamBuckets:
+    """All-gathers a step's new parameters into the model bucket by bucket (:meth:`start`) and
+    makes each module's forward wait for the buckets holding its own parameters.
+
+    Contract: between :meth:`start` and :meth:`wait_all` the model's parameters are being
+    written; a module's parameters are complete when its forward begins. Code that reads
+    parameters another way first calls :meth:`wait_all` (the mode's ``settle``/``flush`` do).
+    Needs an asynchronous :class:`~ds_lowcomm.worker.CommWorker` (rounds in submission order).
+    """
+
+    def __init__(self, ctx: ModeContext) -> None:
+        if not ctx.modules:
+            raise ValueError("ParamBuckets needs the model's modules (ModeContext.modules) to hook")
+        self.ctx = ctx
+        flat = ctx.flat
+        padded = flat.layout.padded
+        size = _bucket_size(padded)
+        #: ``(start, end)`` of each bucket, bucket 0 at the start of the buffer
+        self.ranges: List[Tuple[int, int]] = [(s, min(s + size, padded)) for s in range(0, padded, size)]
+        self.tickets: List[Ticket] = []
+        self._waited = 0
+        #: buckets first waited for by a module's forward, not by :meth:`wait_all` (summed over steps)
+        self.waited_in_forward = 0
+        self.gathered = 0
+        self._hooks = []
+        for module in ctx.modules:
+            ends = [flat.offsets[id(p)] + p.numel() for p in module.parameters(recurse=False)
+                    if id(p) in flat.offsets]
+            if ends:
+                need = (max(ends) - 1) // size
+                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._before_forward, need)))
+
+    def start(self, shard: torch.Tensor) -> None:
+        """Submit the all-gather of every bucket from this rank's ``shard`` of the new parameters
+        (in the model's dtype). Cost: one all-gather of the padded buffer in all."""
+        self.wait_all()
+        for lo, hi in self.ranges:
+            rnd = GatherRound(self.ctx, shard, lo, hi)
+            rnd.pack()
+            self.tickets.append(self.ctx.worker.submit(rnd))
+        self._waited = 0
+        self.gathered += len(self.ranges)
+
+    def _before_forward(self, need: int, module, args) -> None:
+        if self.tickets:
+            before = self._waited
+            self._wait_through(need)
+            self.waited_in_forward += self._waited - before
+            if self._waited == len(self.tickets):
+                self.tickets = []
+
+    def _wait_through(self, last: int) -> None:
+        while self._waited <= min(last, len(self.tickets) - 1):
+            self.ctx.worker.wait(self.tickets[self._waited])  # a failed bucket raises here
+            self._waited += 1
+
+    def wait_all(self) -> None:
+        """Wait until the model's parameters are complete (no communication of its own)."""
+        if self.tickets:
+            self._wait_through(len(self.tickets) - 1)
+            self.tickets = []

@@ -191,6 +191,28 @@ class Collectives:
             lo = max(start, me * size) - me * size
             _sum_rows(recv.view(w, mine), out[lo:lo + mine])
 
+    def all_gather_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int) -> None:
+        """:meth:`all_gather` of the elements ``[start, end)`` of ``out`` alone: each rank
+        contributes the part of the range that lies in its own shard, from the same place of
+        ``inp`` (this rank's shard). Over ranges that tile ``out`` it is :meth:`all_gather`, with
+        the same bytes in all ((W-1)/W · out's bytes sent and received per rank; per range, each
+        rank sends W-1 copies of its own part and receives the rest). One all-to-all with uneven
+        splits, received in place.
+        """
+        size, w, me = out.numel() // self.world, self.world, self.rank
+        splits = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(w)]
+        mine = splits[me]
+        lo = max(start, me * size) - me * size
+        send = inp[lo:lo + mine].repeat(w)
+        elem = out.element_size()
+        sent, received = (w - 1) * mine * elem, (end - start - mine) * elem
+        t0 = time.perf_counter()
+        try:
+            dist.all_to_all_single(out[start:end], send, splits, [mine] * w, group=self.group)
+        except Exception as err:
+            raise self._failed("all_gather", (end - start) * elem, t0, err) from err
+        self.stats.record(f"{self.name}.all_gather", sent, received, time.perf_counter() - t0)
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Concatenate every rank's ``inp`` into ``out`` (W × inp). Cost: (W-1)/W · out bytes."""
         nbytes = out.numel() * out.element_size()

@@ -39,6 +39,9 @@ class ModeContext:
     step_taken: Callable[[], None]
     #: ``record_step(step, grad_norm, skipped, nonfinite_ranks)``: the verdict of step ``step``
     record_step: Callable[[int, float, bool, Sequence[int]], None]
+    #: the model's modules, for forward hooks (``zero1`` with overlap); empty when the optimizer
+    #: was built without the model
+    modules: Sequence[torch.nn.Module] = ()
 
     @property
     def loss_scale(self) -> float:

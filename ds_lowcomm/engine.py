@@ -110,7 +110,7 @@ class LowCommEngine(DeepSpeedEngine):
             groups, cfg, gradient_clipping=self.gradient_clipping(),
             comm_dtype=_comm_dtype(self, cfg), param_names=names,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
-            loss_scaler=_loss_scaler(self))
+            loss_scaler=_loss_scaler(self), modules=list(self.module.modules()))
         self.optimizer.on_step_taken = self._after_lowcomm_step
         self.checkpointer = Checkpointer(self.optimizer, self.global_rank, self.device, async_save=cfg.async_save,
                                          timeout_s=cfg.collective_timeout_s)
@@ -225,6 +225,8 @@ class LowCommEngine(DeepSpeedEngine):
         every rank (stock DeepSpeed only warns and returns ``(None, None)`` when ``latest`` is
         missing)."""
         load_states = load_optimizer_states and not kwargs.get("load_module_only")
+        # No round may write the parameters after DeepSpeed loads them (zero1.overlap's all-gather).
+        self.optimizer.settle()
         deepspeed_load = functools.partial(super().load_checkpoint, load_dir, load_module_strict=load_module_strict,
                                            load_optimizer_states=load_optimizer_states, **kwargs)
         return self.checkpointer.load(load_dir, tag, load_states, deepspeed_load)

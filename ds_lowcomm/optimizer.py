@@ -65,7 +65,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def __init__(self, param_groups: Sequence[dict], config: LowCommConfig, *, gradient_clipping: float,
                  comm_dtype: torch.dtype, param_names: Dict[int, List[str]],
-                 gradient_accumulation_steps: int = 1, loss_scaler=None) -> None:
+                 gradient_accumulation_steps: int = 1, loss_scaler=None,
+                 modules: Sequence[torch.nn.Module] = ()) -> None:
         super().__init__(list(param_groups), dict(ADAMW_DEFAULTS))
         self.config = config
         self.gradient_clipping = float(gradient_clipping or 0.0)
@@ -103,7 +104,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
             param_groups=self.param_groups, comm_dtype=comm_dtype, gradient_clipping=self.gradient_clipping,
             gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
             _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
-            record_step=self.record_step), config.mode_options)
+            record_step=self.record_step, modules=tuple(modules)), config.mode_options)
         #: set by LowCommEngine.load_checkpoint while DeepSpeed loads: where the flat state is read
         self.checkpoint_shards = None
 

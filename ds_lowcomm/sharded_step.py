@@ -89,6 +89,9 @@ class ShardedStepRound(StepRound):
         reduced: this rank's shard of the reduced ``grads``, already reduce-scattered (fp32,
             loss-scaled, unscaled by ``scale``): the round starts at the norm (``zero1`` with
             overlap, :class:`~ds_lowcomm.buckets.GradBuckets`). Modified in place.
+        gather: all-gather the new parameters into ``target`` at the end of :meth:`run`; when
+            False, this rank's shard of them is left in :attr:`out` for the caller to gather
+            (``zero1`` with overlap, :class:`~ds_lowcomm.buckets.ParamBuckets`).
 
     A non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
     master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
@@ -99,7 +102,7 @@ class ShardedStepRound(StepRound):
                  local_count: Optional[int] = None, local_pace: Optional[float] = None,
                  estimate: bool = False,
                  after_update: Optional[Callable[[], None]] = None,
-                 reduced: Optional[torch.Tensor] = None) -> None:
+                 reduced: Optional[torch.Tensor] = None, gather: bool = True) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
         if local_pace is not None and local_count is None:
@@ -110,6 +113,9 @@ class ShardedStepRound(StepRound):
         self.local_pace = local_pace
         self.after_update = after_update
         self.reduced = reduced
+        self.gather = gather
+        #: after :meth:`run`: this rank's shard of the new parameters, in ``target``'s dtype
+        self.out: Optional[torch.Tensor] = None
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
         #: with ``local_pace``: each rank's seconds per micro-batch (0 where unknown)
@@ -158,7 +164,9 @@ class ShardedStepRound(StepRound):
                 self.after_update()
             # The master itself is gathered when the dtypes agree: no shard-sized copy.
             out = self.adamw.master.to(self.target.dtype)
-        comm.all_gather(self.target, out)
+        self.out = out
+        if self.gather:
+            comm.all_gather(self.target, out)
 
     def install(self) -> None:
         if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's

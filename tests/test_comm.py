@@ -43,6 +43,15 @@ def _collectives(rank, world, chunk_bytes):
         gathered = torch.empty(WORLD * SHARD)
         c.all_gather(gathered, _inputs(rank)[:SHARD])
         out["ag"] = gathered
+        # The same all-gather range by range, in forward order, in bf16 too.
+        for dtype in (torch.float32, torch.bfloat16):
+            op = stats.ops["shard.all_gather"]
+            before = (op.bytes_sent, op.bytes_received)
+            got = torch.full((WORLD * SHARD,), float("nan"), dtype=dtype)
+            for start, end in zip(cuts, cuts[1:]):
+                c.all_gather_range(got, _inputs(rank)[:SHARD].to(dtype), start, end)
+            out[f"ag_range_{dtype}"] = got
+            out[f"ag_range_bytes_{dtype}"] = (op.bytes_sent - before[0], op.bytes_received - before[1])
         out["ops"] = {k: (v.calls, v.bytes_sent) for k, v in stats.ops.items()}
         return out
     finally:
@@ -69,8 +78,13 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         for wire, size in ((torch.float32, 4), (torch.bfloat16, 2)):
             assert res[f"rs_range_bytes_{wire}"] == pytest.approx((2 * (WORLD - 1) * SHARD * size,) * 2)
         assert torch.equal(res["ag"], torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)]))
+        for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+            want_ag = torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)]).to(dtype)
+            assert torch.equal(res[f"ag_range_{dtype}"], want_ag)
+            # Ranges tiling the output cost what one all-gather costs.
+            assert res[f"ag_range_bytes_{dtype}"] == pytest.approx(((WORLD - 1) * SHARD * size,) * 2)
         # Counted once per collective, at the ring formula's bytes: (W-1)/W of the full tensor.
         calls, sent = res["ops"]["shard.reduce_scatter"]
         assert calls == 2 + 2 * 6 and sent == pytest.approx(3 * (WORLD - 1) / WORLD * WORLD * SHARD * (4 + 2))
         calls, sent = res["ops"]["shard.all_gather"]
-        assert calls == 1 and sent == pytest.approx((WORLD - 1) / WORLD * WORLD * SHARD * 4)
+        assert calls == 1 + 2 * 5 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 4 + 2))

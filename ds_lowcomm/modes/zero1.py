@@ -11,15 +11,19 @@ P is the padded parameter count. DeepSpeed's own stage-1 optimizer (0.19.8) all-
 gradient instead (``stage_1_and_2.py`` ``average_tensor``), twice the gradient bytes.
 
 With ``overlap`` the reduce-scatter runs bucket by bucket on the comm thread during the step's
-last backward pass (:class:`~ds_lowcomm.buckets.GradBuckets`, Megatron's ``overlap_grad_reduce``):
-the same collectives' bytes, and on gloo the same sums, so the same training bit for bit.
+last backward pass (:class:`~ds_lowcomm.buckets.GradBuckets`, Megatron's ``overlap_grad_reduce``),
+and the all-gather bucket by bucket during the next forward pass, each module waiting for its own
+parameters (:class:`~ds_lowcomm.buckets.ParamBuckets`, Megatron's ``overlap_param_gather``): the
+same collectives' bytes, and on gloo the same sums, so the same training bit for bit. The step
+returns before the model's parameters are complete: code that reads them outside a module's
+forward calls ``engine.optimizer.settle()`` first (checkpoints and ``flush`` do).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 import torch
 
-from ds_lowcomm.buckets import GradBuckets
+from ds_lowcomm.buckets import GradBuckets, ParamBuckets
 from ds_lowcomm.config import option
 from ds_lowcomm.flat import gather_full
 from ds_lowcomm.context import ModeContext
@@ -30,7 +34,8 @@ from ds_lowcomm.sharded_step import ShardedStepRound
 @dataclass(frozen=True)
 class Zero1Options:
     overlap: bool = option(False, "reduce-scatter the gradient bucket by bucket while the step's last "
-                           "backward pass runs (a comm thread); the same result")
+                           "backward pass runs, and all-gather the parameters bucket by bucket while "
+                           "the next forward pass runs (a comm thread); the same result")
 
 
 class Zero1(Mode):
@@ -44,6 +49,7 @@ class Zero1(Mode):
         require_one_shard_group(ctx, self.name)
         self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
         self.buckets = GradBuckets(ctx) if options.overlap else None
+        self.gathers = ParamBuckets(ctx) if options.overlap else None
 
     @classmethod
     def is_asynchronous(cls, options: Zero1Options) -> bool:
@@ -68,21 +74,35 @@ class Zero1(Mode):
                 ctx.worker.wait(ticket)
             reduced, self.buckets.out = self.buckets.out, None
         rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer,
-                               scale=1.0 / ctx.topology.shard.world, reduced=reduced)
+                               scale=1.0 / ctx.topology.shard.world, reduced=reduced,
+                               gather=self.gathers is None)
         rnd.pack()
         ctx.worker.wait(ctx.worker.submit(rnd))
         rnd.install()
+        if self.gathers is not None:
+            self.gathers.start(rnd.out)  # the next forward waits for them, module by module
         ctx.grads.zero_()
         ctx.step_taken()
+
+    def settle(self) -> None:
+        """With overlap: wait until the parameters' all-gather has landed (no communication)."""
+        if self.gathers is not None:
+            self.gathers.wait_all()
+
+    def flush(self) -> None:
+        self.settle()
 
     def metrics(self) -> dict:
         if self.buckets is None:
             return {}
         # The share of gradient buckets whose reduce-scatter started before the backward ended.
+        # The share of parameter buckets the forward pass waited for itself (the rest: settle).
         return {"grad_buckets": len(self.buckets.ranges),
-                "grad_buckets_overlapped": self.buckets.launched_in_backward / max(self.buckets.launched, 1)}
+                "grad_buckets_overlapped": self.buckets.launched_in_backward / max(self.buckets.launched, 1),
+                "param_buckets_overlapped": self.gathers.waited_in_forward / max(self.gathers.gathered, 1)}
 
     def master_weights(self) -> torch.Tensor:
+        self.settle()
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 
     def state_dict(self) -> dict:
@@ -93,8 +113,10 @@ class Zero1(Mode):
 
     def load_state_dict(self, state: dict, shards) -> None:
         """The model's weights come from DeepSpeed's file: the master's last all-gather."""
+        self.settle()
         self.adamw.load_shards(shards, state["step"])
 
     def load_weights(self, shards) -> None:
+        self.settle()
         self.adamw.load_shards(shards, None)
         self.ctx.set_params(shards.full("master", self.adamw.master))
