@@ -54,6 +54,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         param_names: for each parameter (by ``id``), every name it has in the module's state_dict.
         loss_scaler: fp16: DeepSpeed's own loss scaler (``DynamicLossScaler`` or a static
             ``LossScaler``), whose ``cur_scale`` the engine multiplies each loss by; None otherwise.
+        modules: the model's modules (the engine passes ``module.modules()``); ``zero1`` with
+            ``overlap`` hooks their forward to wait for their parameters' all-gather.
 
     Every mode's round checks the reduced gradient for NaN/inf and skips the update when it is
     non-finite (:meth:`record_step` receives the verdict). ``overflow`` and ``skipped_steps``
