@@ -167,7 +167,10 @@ class ParamBuckets:
         self.ctx = ctx
         flat = ctx.flat
         padded = flat.layout.padded
-        size = _bucket_size(padded)
+        # A bucket's owner sends W copies of its part in one all-to-all: keep that transient
+        # within BUCKET_BYTES of fp32.
+        world = ctx.topology.shard.world
+        size = min(_bucket_size(padded), -(-(BUCKET_BYTES // (4 * world)) // ALIGN) * ALIGN)
         #: ``(start, end)`` of each bucket, bucket 0 at the start of the buffer
         self.ranges: List[Tuple[int, int]] = [(s, min(s + size, padded)) for s in range(0, padded, size)]
         self.tickets: List[Ticket] = []
