@@ -38,8 +38,10 @@ BUCKET_BYTES = 25 << 20
 MIN_BUCKETS = 8
 
 
-def _bucket_size(padded: int) -> int:
-    size = min(BUCKET_BYTES // 4, -(-padded // MIN_BUCKETS))
+def _bucket_size(padded: int, copies: int = 1) -> int:
+    """Elements per bucket of a ``padded`` buffer: at least MIN_BUCKETS buckets, and ``copies``
+    copies of a bucket within BUCKET_BYTES of fp32."""
+    size = min(BUCKET_BYTES // (4 * copies), -(-padded // MIN_BUCKETS))
     return -(-size // ALIGN) * ALIGN
 
 
@@ -167,10 +169,8 @@ class ParamBuckets:
         self.ctx = ctx
         flat = ctx.flat
         padded = flat.layout.padded
-        # A bucket's owner sends W copies of its part in one all-to-all: keep that transient
-        # within BUCKET_BYTES of fp32.
-        world = ctx.topology.shard.world
-        size = min(_bucket_size(padded), -(-(BUCKET_BYTES // (4 * world)) // ALIGN) * ALIGN)
+        # A bucket's owner sends W copies of its part in one all-to-all.
+        size = _bucket_size(padded, copies=ctx.topology.shard.world)
         #: ``(start, end)`` of each bucket, bucket 0 at the start of the buffer
         self.ranges: List[Tuple[int, int]] = [(s, min(s + size, padded)) for s in range(0, padded, size)]
         self.tickets: List[Ticket] = []
@@ -178,13 +178,12 @@ class ParamBuckets:
         #: buckets first waited for by a module's forward, not by :meth:`wait_all` (summed over steps)
         self.waited_in_forward = 0
         self.gathered = 0
-        self._hooks = []
         for module in ctx.modules:
             ends = [flat.offsets[id(p)] + p.numel() for p in module.parameters(recurse=False)
                     if id(p) in flat.offsets]
             if ends:
                 need = (max(ends) - 1) // size
-                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._before_forward, need)))
+                module.register_forward_pre_hook(functools.partial(self._before_forward, need))
 
     def start(self, shard: torch.Tensor) -> None:
         """Submit the all-gather of every bucket from this rank's ``shard`` of the new parameters

@@ -161,3 +161,15 @@ def test_estimate_leaves_no_trace(tmp_path):
     sent = next(v for k, v in logged.items() if "bytes_sent_per_step" in k)
     assert len(sent) >= 3 and float(sent[-1].split(",")[1]) > 0
     assert any("micro_batches_per_round" in k for k in logged)
+
+
+@pytest.mark.parametrize("per_round,paces,quotas", [
+    (2, [0.1, 0.3], [2, 1]),                 # 3x slower: 2/3 rounds to 1
+    (4, [0.1, 0.2, 0.12, 0.5], [4, 2, 3, 1]),  # 4/2 = 2, 4/1.2 = 3.33 -> 3, 4/5 -> at least 1
+    (4, [0.1, 0.11], [4, 4]),                # 10% slower: 3.64 rounds to 4 (noise changes nothing)
+    (2, [0.2, 0.2], [2, 2]),
+])
+def test_balanced_quota(per_round, paces, quotas):
+    from ds_lowcomm.modes.acco import balanced_quota
+
+    assert [balanced_quota(per_round, paces, r) for r in range(len(paces))] == quotas

@@ -64,6 +64,8 @@ BAD = [
     (_set(("lowcomm", "acco"), {"accumulate_while_waitng": True}), "lowcomm.acco.accumulate_while_waitng",
      "did you mean 'accumulate_while_waiting'"),
     (_set(("lowcomm", "acco"), {"accumulate_while_waiting": 1}), "lowcomm.acco.accumulate_while_waiting", "boolean"),
+    (lambda c: c["lowcomm"].update(mode="acco", acco={"balance": True, "accumulate_while_waiting": False}),
+     "lowcomm.acco.balance", "set accumulate_while_waiting to true"),
     (lambda c: (c["lowcomm"].update(mode="acco"), c.update(gradient_accumulation_steps=3)),
      "gradient_accumulation_steps", "even number"),
     (lambda c: c["lowcomm"].update(mode="demo"), "lowcomm.shard_group_size", "ranks per node"),

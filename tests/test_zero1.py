@@ -31,22 +31,26 @@ def _stock_then_zero1(rank, world, bf16):
                 param_bytes=opt.flat.buffer.element_size(), comm_bytes=opt.comm_dtype.itemsize)
 
 
-def _zero1_with_and_without_overlap(rank, world, bf16):
+def _zero1_with_and_without_overlap(rank, world, bf16, save_dir):
     out = {}
     for overlap in (False, True):
         engine = workers.build_engine(workers.config("zero1", bf16=bf16, zero1={"overlap": overlap}))
         # No digest between steps: reading the parameters would wait for their all-gather,
         # which the next forward is meant to wait for, bucket by bucket. Equal losses at every
-        # micro-batch show the forward saw the same parameters; the digest after settle(), that
-        # the model ends the same.
+        # micro-batch show the forward saw the same parameters; the digest after the save (which
+        # settles), that the model ends the same.
         losses = workers.train(engine, 6, rank=rank)
-        engine.optimizer.settle()
+        gathers = engine.optimizer.mode.gathers
+        in_flight = gathers is not None and bool(gathers.tickets)  # nothing waited for them yet
+        engine.save_checkpoint(f"{save_dir}/{overlap}")  # must wait for them before DeepSpeed saves
+        waited = gathers is None or not gathers.tickets
         digests = [workers.params_digest(engine)]
         buffer = engine.optimizer.grads.buffer.untyped_storage().data_ptr()
         # After DeepSpeed's step bookkeeping (which sets p.grad to None in stock 0.19.8 fp32).
         grads = ["sum" if p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer
                  else p.grad for p in engine.module.parameters()]
-        out[overlap] = dict(losses=losses, digests=digests, stats=engine.comm_stats(), grads=grads)
+        out[overlap] = dict(losses=losses, digests=digests, stats=engine.comm_stats(), grads=grads,
+                            in_flight=in_flight, waited=waited)
         engine.destroy()
     return out
 
@@ -82,14 +86,16 @@ def _reentrant_twice(rank, world):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_zero1_overlap_is_zero1_bit_for_bit(bf16):
+def test_zero1_overlap_is_zero1_bit_for_bit(bf16, tmp_path):
     """The reduce-scatter sent bucket by bucket from the gradient hooks during the last backward
     pass trains exactly as the reduce-scatter after it: the same losses and parameters at every
     step, the same bytes; and most buckets did leave before the backward pass ended. The
     parameters' all-gather, bucket by bucket behind the next forward, lands the same values, and
     the forward waited for most buckets itself (module by module)."""
-    for r in run_ranks(_zero1_with_and_without_overlap, 2, bf16):
+    for r in run_ranks(_zero1_with_and_without_overlap, 2, bf16, str(tmp_path)):
         sync, over = r[False], r[True]
+        # The step returned with the all-gather in flight; save_checkpoint waited for it.
+        assert over["in_flight"] and over["waited"]
         assert over["losses"] == sync["losses"]
         assert over["digests"] == sync["digests"]
         for key in ("bytes_sent_per_step", "bytes_received_per_step"):
@@ -100,6 +106,11 @@ def test_zero1_overlap_is_zero1_bit_for_bit(bf16):
         # fp32: every p.grad is its slice of the fp32 sums, across steps; bf16: no p.grad kept.
         for run in (sync, over):
             assert run["grads"] == (["sum"] * len(run["grads"]) if not bf16 else [None] * len(run["grads"]))
+    # The weights DeepSpeed saved are the synchronous run's, bit for bit.
+    saved = {overlap: torch.load(next((tmp_path / str(overlap)).rglob("mp_rank_00_model_states.pt")),
+                                 weights_only=True)["module"] for overlap in (False, True)}
+    assert saved[False].keys() == saved[True].keys()
+    assert all(torch.equal(saved[False][k], saved[True][k]) for k in saved[False])
 
 
 def test_zero1_overlap_refuses_a_gradient_delivered_twice():

@@ -8,8 +8,8 @@ gradient computation on the training thread::
     round R(t)  worker: θ(t+1), S(t+1) = AdamW(θ(t), S(t); mean of first + second half)
                 compute meanwhile: next first-half grads on θ̃(t+1)      (the estimate)
 
-At every switch (a rank has computed GAS/2 micro-batches since the last one and the round in
-flight is done): install the round's all-gathered result as the model's parameters, hand the
+At every switch (a rank has computed its quota of micro-batches since the last one, GAS/2 unless
+``balance`` lowers it, and the round in flight is done): install the round's all-gathered result as the model's parameters, hand the
 accumulator (and its micro-batch count) to the next round, and zero the accumulator only after
 launching a real round. A real round therefore gets both halves, an estimate round only the
 first; zeroing after an estimate too would degrade ACCO to DPU. When the loop ends a step early
@@ -66,6 +66,14 @@ class AccoOptions:
                            "at least one), so the fastest rank sets the pace instead of the slowest")
 
 
+def balanced_quota(per_round: int, paces: List[float], rank: int) -> int:
+    """Micro-batches after which ``rank`` launches its rounds under ``balance``: ``per_round``
+    scaled by how much slower it is than the fastest rank (``paces``: seconds per micro-batch),
+    rounded to nearest, at least 1 and at most ``per_round``."""
+    slower = paces[rank] / min(paces)
+    return max(1, min(per_round, int(per_round / slower + 0.5)))
+
+
 class Acco(Mode):
     """ACCO (or DPU): sharded AdamW rounds on the CommWorker, overlapped with backward passes."""
 
@@ -85,6 +93,12 @@ class Acco(Mode):
             raise LowCommConfigError(
                 f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
                 f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
+        section = ds.get("lowcomm", {}).get("acco", {})
+        if section.get("balance") is True and not cfg.mode_options.accumulate_while_waiting:
+            raise LowCommConfigError(
+                "lowcomm.acco.balance: true needs accumulate_while_waiting (a rank that waits for "
+                "every round computes gradient_accumulation_steps/2 micro-batches per round whatever "
+                "its pace); set accumulate_while_waiting to true, or leave balance out")
 
     def __init__(self, ctx: ModeContext, options: AccoOptions) -> None:
         super().__init__(ctx, options)
@@ -164,8 +178,7 @@ class Acco(Mode):
         if rnd is not None and rnd.rank_counts is not None:
             self.rank_round_counts.append(rnd.rank_counts)
         if rnd is not None and rnd.rank_paces is not None and min(rnd.rank_paces) > 0:
-            slower = rnd.rank_paces[self.ctx.topology.shard.rank] / min(rnd.rank_paces)
-            self.quota = max(1, min(self.per_round, int(self.per_round / slower + 0.5)))
+            self.quota = balanced_quota(self.per_round, rnd.rank_paces, self.ctx.topology.shard.rank)
 
     def _launch(self) -> None:
         grads = self.ctx.grads
