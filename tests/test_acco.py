@@ -12,8 +12,11 @@ GAS = 4
 STEPS = 10
 
 
-def acco_config(variant="acco", wait=False, gas=GAS, balance=True):
-    cfg = workers.config("acco", acco={"variant": variant, "accumulate_while_waiting": wait, "balance": balance})
+def acco_config(variant="acco", wait=False, gas=GAS, balance=None):
+    options = {"variant": variant, "accumulate_while_waiting": wait}
+    if balance is not None:  # (balance: true without waiting is refused)
+        options["balance"] = balance
+    cfg = workers.config("acco", acco=options)
     cfg["gradient_accumulation_steps"] = gas
     return cfg
 
@@ -93,13 +96,13 @@ def simulate(blocks, variant, cfg):
 
 
 @pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance", [
-    ("acco", False, None, 1, True),    # the nominal schedule: GAS/2 micro-batches per round on every rank
-    ("acco", False, None, GAS, True),  # the same, engine.step() only every GAS micro-batches (HF loop)
+    ("acco", False, None, 1, None),    # the nominal schedule: GAS/2 micro-batches per round on every rank
+    ("acco", False, None, GAS, None),  # the same, engine.step() only every GAS micro-batches (HF loop)
     # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits; balanced, rank 1
     # launches its rounds after one micro-batch once the paces are known, so rank 0 sets the pace
     ("acco", True, 1, 1, True),
     ("acco", True, 1, 1, False),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
-    ("dpu", False, None, 1, True),
+    ("dpu", False, None, 1, None),
 ], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "dpu"])
 def test_matches_simulation(variant, wait, slow_rank, step_every, balance):
     r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance)
