@@ -12,7 +12,8 @@ plots into ``--out``:
   ``--powersgd-warmup``);
 - ``deepspeed``: stock DeepSpeed ZeRO-1 (``ds_configs/deepspeed_zero1.json``);
 - ``zero1``, ``acco``, ``dpu``, ``demo``, ``desloc``: ds_lowcomm modes (``ds_configs/<mode>*.json``);
-  ``zero1-overlap``: ``zero1`` with ``"zero1": {"overlap": true}``.
+  ``zero1-overlap``: ``zero1`` with ``"zero1": {"overlap": true}``; ``acco-bf16``: ``acco`` with
+  ``"acco": {"estimate_dtype": "bf16"}``.
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
@@ -55,8 +56,11 @@ TRAIN = ROOT / "examples" / "train.py"
 TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
 CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd": "deepspeed_zero1.json",
            "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "zero1-overlap": "zero1.json",
-           "acco": "acco_zero1.json", "dpu": "dpu_zero1.json", "demo": "demo_zero1.json",
-           "desloc": "desloc_zero1.json"}
+           "acco": "acco_zero1.json", "acco-bf16": "acco_zero1.json", "dpu": "dpu_zero1.json",
+           "demo": "demo_zero1.json", "desloc": "desloc_zero1.json"}
+#: modes that are a shipped config with options changed: merged into its "lowcomm" section
+VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
+            "acco-bf16": {"acco": {"estimate_dtype": "bf16"}}}
 PEERS = ("ddp", "ddp-powersgd", "deepspeed")
 #: the synchronous baselines whose final val loss is the default target, in order of preference
 BASELINES = ("ddp", "deepspeed", "zero1")
@@ -199,8 +203,8 @@ def write_config(mode: str, args, out: Path, steps: int) -> Path:
     cfg["gradient_accumulation_steps"] = args.gas
     if "scheduler" in cfg:  # the schedule spans the run's budget
         cfg["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=max(1, steps // 10))
-    if mode == "zero1-overlap":
-        cfg["lowcomm"]["zero1"] = {"overlap": True}
+    for section, options in VARIANTS.get(mode, {}).items():
+        cfg["lowcomm"].setdefault(section, {}).update(options)
     if args.regime == "two-node" and mode in ("demo", "desloc"):
         cfg["lowcomm"]["shard_group_size"] = args.world_size // 2  # ZeRO-1 inside a node
     if args.comm_dtype and "lowcomm" in cfg:
@@ -309,7 +313,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
         link_bytes = link.counters() - before  # the whole job's, set-up and validation included
     (logs / f"{label}.log").write_text(text)
     result = _result(text, label)
-    result["mode"] = mode  # train.py says "zero1" for zero1-overlap
+    result["mode"] = mode  # train.py names the mode of the config: "zero1" for zero1-overlap
     if link_bytes is not None:
         result["link_bytes_per_rank_per_step"] = link_bytes / args.world_size / steps
     result["records"] = _records(log_json)

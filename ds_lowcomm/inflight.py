@@ -46,13 +46,17 @@ class InFlight:
             self.worker.wait(self.ticket)
 
     def install(self) -> Optional[StepRound]:
-        """Wait for the round, copy its result into the model's parameters and report its
-        verdict (``round.install()``); returns the round (None when there was none)."""
+        """Wait for the round, copy its result into the model's parameters (or add it, when the
+        round's result is a ``delta``) and report its verdict (``round.install()``); returns the
+        round (None when there was none)."""
         if self.ticket is None:
             return None
         self.worker.wait(self.ticket)
         rnd, self.ticket = self.ticket.round, None
-        self.params.copy_(self.result)
+        if rnd.delta is not None:  # a change to the parameters held since the launch
+            self.params.add_(rnd.delta)
+        else:
+            self.params.copy_(self.result)
         rnd.install()
         return rnd
 

@@ -15,7 +15,9 @@ A round moves through three calls, on two threads::
 from __future__ import annotations
 
 import abc
-from typing import List
+from typing import List, Optional
+
+import torch
 
 
 class Round(abc.ABC):
@@ -48,6 +50,9 @@ class StepRound(Round):
         self.nonfinite_ranks: List[int] = []
         self.loss_scale = 1.0
         self.step_number = 0
+        #: when set, the round's result is this change to the parameters the model held when the
+        #: round was launched (installed by adding it), not the parameters themselves
+        self.delta: Optional[torch.Tensor] = None
 
     def capture_step(self, loss_scale: float, steps_taken: int) -> None:
         """At pack time: the fp16 loss scale the gradients carry, and the step this round makes."""

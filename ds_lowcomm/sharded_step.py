@@ -83,6 +83,13 @@ class ShardedStepRound(StepRound):
             (``rank_paces``; acco lets the fastest rank set the pace of its rounds with it).
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
+        wire_dtype: the dtype the gradient is reduce-scattered in (default ``comm_dtype``).
+        delta: with ``estimate``, a padded flat buffer that gets the estimate's *change* from the
+            master, all-gathered in ``delta``'s dtype, instead of ``target`` getting the
+            parameters; :class:`~ds_lowcomm.inflight.InFlight` adds it to the parameters the
+            model holds, which equal the master when an estimate round is launched (acco's
+            ``estimate_dtype: "bf16"``: half the all-gather's bytes, rounding only the small
+            change, never the parameters).
         after_update: called in a real round after the update, or after its skip, and before the
             all-gather (DES-LOC averages the replicas' states there, so the all-gather spreads
             the average).
@@ -100,15 +107,21 @@ class ShardedStepRound(StepRound):
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
                  local_count: Optional[int] = None, local_pace: Optional[float] = None,
-                 estimate: bool = False,
+                 estimate: bool = False, wire_dtype: Optional[torch.dtype] = None,
+                 delta: Optional[torch.Tensor] = None,
                  after_update: Optional[Callable[[], None]] = None,
                  reduced: Optional[torch.Tensor] = None, gather: bool = True) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
         if local_pace is not None and local_count is None:
             raise ValueError("local_pace rides on the local_count all-reduce: give local_count too")
+        if delta is not None and not estimate:
+            raise ValueError("delta: only an estimate round's result is a change (a real round's "
+                             "parameters are gathered whole, so replicas never drift from the master)")
         super().__init__()
         self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
+        self.wire_dtype = wire_dtype or ctx.comm_dtype
+        self.delta = delta
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
         self.local_pace = local_pace
         self.after_update = after_update
@@ -147,13 +160,18 @@ class ShardedStepRound(StepRound):
         grad = self.reduced
         if grad is None:
             grad = self.grads.new_empty(layout.shard_size, dtype=torch.float32)
-            comm.reduce_scatter(grad, self.grads, wire_dtype=self.ctx.comm_dtype)
+            comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
         grad.mul_(scale / self.loss_scale)
         self.grad_norm = clip_by_global_norm(comm, grad, self.ctx.gradient_clipping)
         self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank
         if self.skipped:
             self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
-        if self.estimate:
+        if self.estimate and self.delta is not None:
+            est = self.adamw.master.clone()
+            if not self.skipped:
+                self.adamw.estimate(grad, self.hyper, est)
+            out = est.sub_(self.adamw.master).to(self.delta.dtype)  # a skip changes nothing
+        elif self.estimate:
             out = self.adamw.master.to(self.target.dtype, copy=True)
             if not self.skipped:
                 self.adamw.estimate(grad, self.hyper, out)
@@ -166,7 +184,7 @@ class ShardedStepRound(StepRound):
             out = self.adamw.master.to(self.target.dtype)
         self.out = out
         if self.gather:
-            comm.all_gather(self.target, out)
+            comm.all_gather(self.target if self.delta is None else self.delta, out)
 
     def install(self) -> None:
         if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's

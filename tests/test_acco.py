@@ -12,17 +12,19 @@ GAS = 4
 STEPS = 10
 
 
-def acco_config(variant="acco", wait=False, gas=GAS, balance=None):
+def acco_config(variant="acco", wait=False, gas=GAS, balance=None, estimate_dtype=None):
     options = {"variant": variant, "accumulate_while_waiting": wait}
     if balance is not None:  # (balance: true without waiting is refused)
         options["balance"] = balance
+    if estimate_dtype is not None:
+        options["estimate_dtype"] = estimate_dtype
     cfg = workers.config("acco", acco=options)
     cfg["gradient_accumulation_steps"] = gas
     return cfg
 
 
-def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance):
-    engine = workers.build_engine(acco_config(variant, wait, balance=balance))
+def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance, estimate_dtype):
+    engine = workers.build_engine(acco_config(variant, wait, balance=balance, estimate_dtype=estimate_dtype))
     j = 0
     while engine.global_steps < STEPS:
         x = workers.batch(j, 0, rank)  # this rank's j-th micro-batch
@@ -34,18 +36,23 @@ def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance):
         if rank == slow_rank:
             time.sleep(3 * (time.perf_counter() - t0) + 0.01)
     opt = engine.optimizer
+    opt.settle()  # the last round has run
+    ops = engine.comm_stats()["ops"]  # the rounds' collectives (before master_weights gathers)
     live = opt.flat.unpadded(opt.flat.buffer).clone()
     master = opt.master_weights()
     opt.flush()  # the model now holds the latest real update, whatever was in flight
     flushed = torch.equal(opt.flat.unpadded(opt.flat.buffer), master)
     return dict(blocks=list(opt.mode.block_sizes), counts=list(opt.mode.round_counts),
-                master=master, live=live, micro_batches=j, steps=opt.steps, flushed=flushed)
+                master=master, live=live, micro_batches=j, steps=opt.steps, flushed=flushed,
+                padded=opt.flat.layout.padded, ops=ops)
 
 
-def simulate(blocks, variant, cfg):
+def simulate(blocks, variant, cfg, estimate_dtype="fp32"):
     """ACCO / DPU from the paper's equations: W simulated workers, one model, torch.optim.AdamW.
 
-    ``blocks[i][b]``: micro-batches worker i computed between switch b-1 and switch b.
+    ``blocks[i][b]``: micro-batches worker i computed between switch b-1 and switch b. With
+    ``estimate_dtype`` bf16 the estimate takes each worker's gradient sum rounded to bf16, and the
+    model gets θ plus the estimate's change from θ rounded to bf16.
     """
     torch.set_num_threads(1)
     world = len(blocks)
@@ -74,7 +81,8 @@ def simulate(blocks, variant, cfg):
         finished_estimate = None
         if pending is not None:
             live, finished_estimate = pending
-        g = sum(accum) * (GAS / sum(counts))
+        cheap = estimate and estimate_dtype == "bf16"
+        g = sum(a.bfloat16().float() if cheap else a for a in accum) * (GAS / sum(counts))
         factor = (g.double().norm().item() + 1e-6) / clip
         if factor > 1:
             g = g * (1.0 / factor)
@@ -83,6 +91,9 @@ def simulate(blocks, variant, cfg):
             shadow.param_groups[0]["params"][0].grad = g
             shadow.step()
             result = shadow.param_groups[0]["params"][0].detach().clone()
+            if cheap:
+                theta = master.detach()
+                result = theta + (result - theta).bfloat16().float()
         else:
             master.grad = g
             opt.step()
@@ -95,17 +106,18 @@ def simulate(blocks, variant, cfg):
     return master.detach(), live
 
 
-@pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance", [
-    ("acco", False, None, 1, None),    # the nominal schedule: GAS/2 micro-batches per round on every rank
-    ("acco", False, None, GAS, None),  # the same, engine.step() only every GAS micro-batches (HF loop)
+@pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance,estimate_dtype", [
+    ("acco", False, None, 1, None, None),    # the nominal schedule: GAS/2 micro-batches per round on every rank
+    ("acco", False, None, GAS, None, None),  # the same, engine.step() only every GAS micro-batches (HF loop)
     # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits; balanced, rank 1
     # launches its rounds after one micro-batch once the paces are known, so rank 0 sets the pace
-    ("acco", True, 1, 1, True),
-    ("acco", True, 1, 1, False),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
-    ("dpu", False, None, 1, None),
-], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "dpu"])
-def test_matches_simulation(variant, wait, slow_rank, step_every, balance):
-    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance)
+    ("acco", True, 1, 1, True, None),
+    ("acco", True, 1, 1, False, None),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
+    ("acco", False, None, 1, None, "bf16"),  # the estimate round in bf16: half its bytes
+    ("dpu", False, None, 1, None, None),
+], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "acco-bf16-estimate", "dpu"])
+def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estimate_dtype):
+    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance, estimate_dtype)
     blocks = [x["blocks"] for x in r]
     assert r[0]["steps"] == STEPS and len(blocks[0]) == len(blocks[1])
     if slow_rank is None:
@@ -122,7 +134,15 @@ def test_matches_simulation(variant, wait, slow_rank, step_every, balance):
             assert min(slow_blocks) >= GAS // 2, slow_blocks
     assert torch.equal(r[0]["master"], r[1]["master"]) and torch.equal(r[0]["live"], r[1]["live"])
     assert r[0]["flushed"] and r[1]["flushed"]
-    master, live = simulate(blocks, variant, acco_config(variant, wait))
+    if variant == "acco":
+        # Bytes sent per rank (W = 2: (W-1)/W = 1/2 of the padded buffer): a real round
+        # reduce-scatters and all-gathers in fp32; an estimate round too, or in bf16 (half).
+        real, estimates = STEPS, len(r[0]["counts"]) - STEPS
+        elem = 2 if estimate_dtype == "bf16" else 4
+        for op in ("reduce_scatter", "all_gather"):
+            sent = sum(v["bytes_sent"] for k, v in r[0]["ops"].items() if k.endswith(op))
+            assert sent == r[0]["padded"] / 2 * (4 * real + elem * estimates), op
+    master, live = simulate(blocks, variant, acco_config(variant, wait), estimate_dtype or "fp32")
     torch.testing.assert_close(r[0]["master"], master, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r[0]["live"], live, rtol=1e-5, atol=1e-5)
     # A step counts when its real round is launched: the loop stopped at step STEPS with that

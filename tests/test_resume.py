@@ -35,6 +35,9 @@ CASES = {
     "zero1-fp16": (_fp16(_config("zero1")), 16, 8),
     # one micro-batch into a step, the estimate round in flight
     "acco": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False}), 36, 17),
+    # the estimate round in bf16, in flight at the save (its change gathered, not installed)
+    "acco-bf16-estimate": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False,
+                                                         "estimate_dtype": "bf16"}), 36, 19),
     "demo": (_config("demo", shard_group_size=1), 16, 8),
     # step 4's update in flight at the save
     "demo-overlap": (_config("demo", shard_group_size=1, demo={"overlap": True}), 16, 8),
@@ -68,7 +71,8 @@ def _straight_vs_resumed(rank, world, save_dir, case):
     l_resumed = []
     _run(first, rank, 0, cut, l_resumed, poison)
     in_flight = getattr(first.optimizer.mode, "inflight", None)
-    in_flight = in_flight is not None and in_flight.round is not None
+    in_flight = None if in_flight is None or in_flight.round is None else (
+        "delta" if in_flight.round.delta is not None else "result")
     first.save_checkpoint(save_dir, client_state={"j": cut})
     second = workers.build_engine(cfg, seed=123)  # everything must come from the checkpoint
     _, client = second.load_checkpoint(save_dir)
@@ -99,7 +103,9 @@ def test_resume(tmp_path, case):
     else:
         assert r0["digests"][1] == r1["digests"][1]
     if case in ("acco", "demo-overlap"):
-        assert r0["in_flight"] and r1["in_flight"]
+        assert r0["in_flight"] == r1["in_flight"] == "result"
+    if case == "acco-bf16-estimate":
+        assert r0["in_flight"] == r1["in_flight"] == "delta"
     if case.startswith("zero1") and case != "zero1-fp16":
         # Per-step bytes of the resumed process equal the uninterrupted run's (zero1 sends the
         # same every step), though it counted only the steps since the resume. (Under fp16 the

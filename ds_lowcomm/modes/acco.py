@@ -31,8 +31,13 @@ the pace and the global count still weights the sum.
 ``variant: "dpu"``: one real round per step of GAS micro-batches, installed one step late
 (θ(t+1) = θ(t) − AdamW(g(θ(t−1)))), for comparison; no estimate.
 
-Cost per optimizer step: twice zero1's bytes (two rounds), hidden when a round takes less time
-than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
+``estimate_dtype: "bf16"``: the estimate round reduce-scatters its half-batch gradient in bf16 and
+all-gathers only the estimate's change from the master, in bf16, which each rank adds to the
+parameters it holds (equal to the master when an estimate round is launched): half the estimate
+round's bytes, the parameters themselves never rounded; the real round stays exact.
+
+Cost per optimizer step: twice zero1's bytes (two rounds; 1.5 times with a bf16 estimate from
+fp32), hidden when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
 accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradient shard).
 """
 from __future__ import annotations
@@ -61,6 +66,9 @@ class AccoOptions:
                           choices=("acco", "dpu"))
     accumulate_while_waiting: bool = option(True, "keep computing micro-batches while a round is "
                                             "in flight instead of waiting for it")
+    estimate_dtype: str = option("fp32", "'fp32', or 'bf16': the estimate round reduce-scatters its "
+                                 "gradient and all-gathers its parameter change in bf16 (half its "
+                                 "bytes; the real round stays exact)", choices=("fp32", "bf16"))
     balance: bool = option(True, "with accumulate_while_waiting: a rank slower than the fastest launches "
                            "its rounds after fewer micro-batches (in proportion to its measured speed, "
                            "at least one), so the fastest rank sets the pace instead of the slowest")
@@ -94,6 +102,10 @@ class Acco(Mode):
                 f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
                 f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
         section = ds.get("lowcomm", {}).get("acco", {})
+        if cfg.mode_options.variant == "dpu" and cfg.mode_options.estimate_dtype != "fp32":
+            raise LowCommConfigError(
+                f"lowcomm.acco.estimate_dtype: {cfg.mode_options.estimate_dtype!r} applies to the estimate "
+                "round of variant 'acco'; variant 'dpu' has none: leave estimate_dtype out")
         if section.get("balance") is True and not cfg.mode_options.accumulate_while_waiting:
             raise LowCommConfigError(
                 "lowcomm.acco.balance: true needs accumulate_while_waiting (a rank that waits for "
@@ -116,6 +128,10 @@ class Acco(Mode):
         self.adamw = ShardAdamW(layout, ctx.flat.buffer)
         self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
         self.gathered = torch.zeros_like(ctx.flat.buffer)
+        # estimate_dtype bf16: the estimate's change from the master, gathered into the first
+        # bytes of ``gathered`` (a round's result and a change are never in flight at once).
+        self.estimate_delta = (self.gathered.view(torch.bfloat16)[:layout.padded]
+                               if options.estimate_dtype == "bf16" and self.two_rounds else None)
         self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
         self.next_estimate = self.two_rounds
         self.since_switch = 0
@@ -192,8 +208,11 @@ class Acco(Mode):
         pace = None
         if self.balance:  # 0: not measured yet (the quota stays as it is)
             pace = statistics.median(self.micro_batch_seconds) if len(self.micro_batch_seconds) >= 3 else 0.0
+        cheap = self.next_estimate and self.estimate_delta is not None
         rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=count,
-                               local_pace=pace, estimate=self.next_estimate)
+                               local_pace=pace, estimate=self.next_estimate,
+                               wire_dtype=torch.bfloat16 if cheap else None,
+                               delta=self.estimate_delta if cheap else None)
         rnd.pack()
         self.inflight.launch(rnd)
         self.round_counts.append(count)
@@ -250,8 +269,13 @@ class Acco(Mode):
         all-gathered result too (an estimate's parameters are nowhere else)."""
         self.settle()
         state = self.adamw.sharded_state()
-        if self.inflight.round is not None:
-            state["pending_params"] = self.ctx.flat.layout.shard(self.gathered).clone()  # not the whole buffer
+        rnd, layout = self.inflight.round, self.ctx.flat.layout
+        if rnd is not None and rnd.delta is not None:
+            # The parameters the install would give, so a resume (at any layout) copies them:
+            # the model's parameters now plus the change, as InFlight.install adds them.
+            state["pending_params"] = layout.shard(self.ctx.flat.buffer) + layout.shard(rnd.delta)
+        elif rnd is not None:
+            state["pending_params"] = layout.shard(self.gathered).clone()  # not the whole buffer
         return state
 
     def load_state_dict(self, state: dict, shards) -> None:
