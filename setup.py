@@ -38,6 +38,8 @@ setup(
         "examples": ["transformers>=4.40", "accelerate>=1.0"],
         # datasets: the tests run a Trainer script written the way transformers' run_clm.py is
         "test": ["transformers>=4.40", "accelerate>=1.0", "datasets>=2.14", "pytest>=7"],
+        # the bench's plots (loss against time, time and bytes per step); it writes its tables without
+        "bench": ["matplotlib>=3.5"],
         "dev": ["transformers>=4.40", "accelerate>=1.0", "datasets>=2.14", "pytest>=7", "ruff"],
     },
     entry_points={"console_scripts": ["ds-lowcomm-export=ds_lowcomm.checkpoint.export:main"]},

@@ -12,8 +12,9 @@ plots into ``--out``:
   ``--powersgd-warmup``);
 - ``deepspeed``: stock DeepSpeed ZeRO-1 (``ds_configs/deepspeed_zero1.json``);
 - ``zero1``, ``acco``, ``dpu``, ``demo``, ``desloc``: ds_lowcomm modes (``ds_configs/<mode>*.json``);
-  ``zero1-overlap``: ``zero1`` with ``"zero1": {"overlap": true}``; ``acco-bf16``: ``acco`` with
-  ``"acco": {"estimate_dtype": "bf16"}``.
+  variants of a shipped config (``VARIANTS``): ``zero1-overlap`` (``"zero1": {"overlap": true}``),
+  ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32"}``, the paper's estimate round), ``demo-k256`` (top-256 per tile),
+  ``desloc-k64`` (periods 64 / 192 / 384).
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
@@ -56,11 +57,15 @@ TRAIN = ROOT / "examples" / "train.py"
 TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
 CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd": "deepspeed_zero1.json",
            "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "zero1-overlap": "zero1.json",
-           "acco": "acco_zero1.json", "acco-bf16": "acco_zero1.json", "dpu": "dpu_zero1.json",
-           "demo": "demo_zero1.json", "desloc": "desloc_zero1.json"}
+           "acco": "acco_zero1.json", "acco-fp32-estimate": "acco_zero1.json", "dpu": "dpu_zero1.json",
+           "demo": "demo_zero1.json", "demo-k256": "demo_zero1.json", "desloc": "desloc_zero1.json",
+           "desloc-k64": "desloc_zero1.json"}
 #: modes that are a shipped config with options changed: merged into its "lowcomm" section
 VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
-            "acco-bf16": {"acco": {"estimate_dtype": "bf16"}}}
+            "acco-fp32-estimate": {"acco": {"estimate_dtype": "fp32"}},
+            "demo-k256": {"demo": {"topk": 256}},
+            "desloc-k64": {"desloc": {"param_sync_every": 64, "momentum_sync_every": 192,
+                                      "variance_sync_every": 384}}}
 PEERS = ("ddp", "ddp-powersgd", "deepspeed")
 #: the synchronous baselines whose final val loss is the default target, in order of preference
 BASELINES = ("ddp", "deepspeed", "zero1")
@@ -205,7 +210,7 @@ def write_config(mode: str, args, out: Path, steps: int) -> Path:
         cfg["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=max(1, steps // 10))
     for section, options in VARIANTS.get(mode, {}).items():
         cfg["lowcomm"].setdefault(section, {}).update(options)
-    if args.regime == "two-node" and mode in ("demo", "desloc"):
+    if args.regime == "two-node" and cfg.get("lowcomm", {}).get("mode") in ("demo", "desloc"):
         cfg["lowcomm"]["shard_group_size"] = args.world_size // 2  # ZeRO-1 inside a node
     if args.comm_dtype and "lowcomm" in cfg:
         cfg["lowcomm"]["comm_dtype"] = args.comm_dtype
@@ -281,9 +286,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
                       val_loss=statistics.mean(p["val_loss"] for p in parts),
                       bytes_sent_per_rank_per_step=0.0, bytes_received_per_rank_per_step=0.0,
                       comm_wait_s_per_step=0.0, link_bytes_per_rank_per_step=None)
-        # Rank 0's curve, its tokens scaled to all W trainings (they run at the same pace).
-        result["records"] = [dict(r, tokens=r["tokens"] * args.world_size) if "tokens" in r else r
-                             for r in _records(logs / f"{label}.rank0.jsonl")]
+        result["records"] = _ideal_records(logs / f"{label}.rank0.jsonl", args.world_size)
         return result
     log_json = logs / f"{label}.jsonl"
     log_json.unlink(missing_ok=True)
@@ -354,6 +357,31 @@ def _records(path: Path) -> list:
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
 
 
+def _ideal_records(path: Path, world: int) -> list:
+    """``ideal``'s curve: rank 0's, its tokens scaled to all W trainings (they run at one pace)."""
+    return [dict(r, tokens=r["tokens"] * world) if "tokens" in r else r for r in _records(path)]
+
+
+def reload_runs(out: Path) -> Tuple[dict, List[dict]]:
+    """A finished bench directory's config and runs, each with its per-step records read back
+    from its logs and its time to target cleared (``--retarget``)."""
+    try:
+        payload = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"bench: --retarget {out}: no readable results.json there ({err}); pass the "
+                         f"--out directory of a finished bench run") from None
+    runs = payload["runs"]
+    for r in runs:
+        labels = [f"{r['mode']}.{r['steps']}.{rep}" for rep in range(r["repeats"])]
+        if r["mode"] == "ideal":
+            recs = [_ideal_records(out / "logs" / f"{label}.rank0.jsonl", r["world_size"]) for label in labels]
+        else:
+            recs = [_records(out / "logs" / f"{label}.jsonl") for label in labels]
+        r.update(all_records=recs, records=recs[len(recs) // 2], seconds_to_target=None,
+                 tokens_to_target=None, step_to_target=None)
+    return payload["config"], runs
+
+
 def time_to_target(records: List[dict], target: float) -> Optional[dict]:
     """When the validation loss reached ``target`` (None if it never did): seconds and tokens
     interpolated linearly in the loss between the last validation above the target and the first
@@ -399,13 +427,19 @@ def summarize(mode: str, runs: List[dict], bandwidth: Optional[str], steps: int)
 TARGET_TOLERANCE = 1e-4
 
 
-def default_target(runs: List[dict]) -> Optional[tuple]:
-    """(target, what it is): the final val loss of the first synchronous baseline run, at its
-    longest budget, times 1 + ``TARGET_TOLERANCE``."""
+def default_target(runs: List[dict], budget: Optional[int] = None) -> Optional[tuple]:
+    """(target, what it is): the final val loss of the first synchronous baseline run, at
+    ``budget`` (default its longest), times 1 + ``TARGET_TOLERANCE``."""
     for name in BASELINES:
         mine = [r for r in runs if r["mode"] == name]
         if mine:
-            best = max(mine, key=lambda r: r["steps"])
+            if budget is None:
+                best = max(mine, key=lambda r: r["steps"])
+            else:
+                best = next((r for r in mine if r["steps"] == budget), None)
+                if best is None:
+                    raise SystemExit(f"bench: --target-budget {budget}: {name} ran at "
+                                     f"{sorted(r['steps'] for r in mine)} steps only; pick one of those")
             return (best["val_loss"] * (1 + TARGET_TOLERANCE),
                     f"{name}'s final val loss at {best['steps']} steps + {TARGET_TOLERANCE:g}")
     return None
@@ -500,7 +534,7 @@ def plots(runs: List[dict], out: Path, target: Optional[float]) -> List[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("bench: matplotlib is not installed, no plots (pip install matplotlib)", flush=True)
+        print("bench: matplotlib is not installed, no plots (pip install '.[bench]' or matplotlib)", flush=True)
         return []
     made = []
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -587,6 +621,13 @@ def parse_args(argv=None):
                          "mode is reported at the one that reached the target soonest")
     ap.add_argument("--target", type=float, default=None,
                     help="target val loss (default: the synchronous baseline's final val loss)")
+    ap.add_argument("--target-budget", type=int, default=None, metavar="N",
+                    help="the default target is the baseline's final val loss at this budget (one of "
+                         "--budgets) instead of its longest: every mode, the baseline included, still "
+                         "runs at every budget, so the longer ones give slower methods room to reach it")
+    ap.add_argument("--retarget", default=None, metavar="DIR",
+                    help="run nothing: recompute a finished bench's time to target (--target or "
+                         "--target-budget) from DIR's logs and rewrite its tables and plots")
     ap.add_argument("--evals", type=int, default=10, help="validations per run, at fixed steps")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--gas", type=int, default=4, help="gradient_accumulation_steps (even, for acco)")
@@ -616,6 +657,10 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(CONFIGS)}")
     args.budgets = args.budgets or [args.steps]
+    if args.target_budget is not None and args.target is not None:
+        ap.error("--target-budget picks the default target: give it or --target, not both")
+    if args.target_budget is not None and not args.retarget and args.target_budget not in args.budgets:
+        ap.error(f"--target-budget {args.target_budget} must be one of --budgets {args.budgets}")
     if args.evals < 1:
         ap.error(f"--evals: got {args.evals}; must be >= 1")
     if args.regime == "uneven" and args.slow_rank is None:
@@ -685,6 +730,12 @@ def _stop_on_sigterm() -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    command = "python -m ds_lowcomm.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.retarget:
+        out = Path(args.retarget)
+        config, results = reload_runs(out)
+        config["command"] = f"{config['command']}, then {command}"
+        return report(config, results, out, args.target, args.target_budget)
     _stop_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -695,7 +746,7 @@ def main(argv=None) -> dict:
                                            "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "acco_wait",
                                            "set", "repeat", "seed", "regime", "evals", "powersgd_rank")}
     config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency, steps=max(args.budgets),
-                  command="python -m ds_lowcomm.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+                  command=command)
     total = len(args.mode_list) * len(args.budgets) * args.repeat
     done, t_start, results = 0, time.monotonic(), []
     try:
@@ -712,9 +763,16 @@ def main(argv=None) -> dict:
                 results.append(summarize(mode, runs, link.bandwidth, steps))
     finally:
         link.close()
-    if args.target is not None:
-        config.update(target=args.target, target_source="--target")
-    elif (found := default_target(results)) is not None:
+    return report(config, results, out, args.target, args.target_budget)
+
+
+def report(config: dict, results: List[dict], out: Path, target: Optional[float],
+           target_budget: Optional[int]) -> dict:
+    """Time to target for every run, then results.json, results.md and the plots in ``out``."""
+    config.pop("target", None)
+    if target is not None:
+        config.update(target=target, target_source="--target")
+    elif (found := default_target(results, target_budget)) is not None:
         config.update(target=found[0], target_source=found[1])
     if config.get("target") is not None:
         apply_target(results, config["target"])

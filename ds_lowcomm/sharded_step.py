@@ -8,6 +8,9 @@ Communication, over the shard group of W ranks, for P padded elements::
     reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
     all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
+                    (an estimate's change from the master, into ``delta``: its dtype's bytes)
+
+The reduce-scatter travels in ``wire_dtype`` (default comm_dtype).
 
 The non-finite guard rides on the norm all-reduce: a NaN or inf anywhere in the reduced gradient
 makes the global norm non-finite on every rank at once, so every rank reaches the same verdict and
@@ -101,7 +104,7 @@ class ShardedStepRound(StepRound):
             (``zero1`` with overlap, :class:`~ds_lowcomm.buckets.ParamBuckets`).
 
     A non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
-    master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
+    master (``delta`` a zero change), and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
     """
 
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,

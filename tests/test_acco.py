@@ -12,11 +12,11 @@ GAS = 4
 STEPS = 10
 
 
-def acco_config(variant="acco", wait=False, gas=GAS, balance=None, estimate_dtype=None):
+def acco_config(variant="acco", wait=False, gas=GAS, balance=None, estimate_dtype="fp32"):
     options = {"variant": variant, "accumulate_while_waiting": wait}
     if balance is not None:  # (balance: true without waiting is refused)
         options["balance"] = balance
-    if estimate_dtype is not None:
+    if variant == "acco" and estimate_dtype is not None:  # None: the default (bf16)
         options["estimate_dtype"] = estimate_dtype
     cfg = workers.config("acco", acco=options)
     cfg["gradient_accumulation_steps"] = gas
@@ -107,13 +107,15 @@ def simulate(blocks, variant, cfg, estimate_dtype="fp32"):
 
 
 @pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance,estimate_dtype", [
-    ("acco", False, None, 1, None, None),    # the nominal schedule: GAS/2 micro-batches per round on every rank
-    ("acco", False, None, GAS, None, None),  # the same, engine.step() only every GAS micro-batches (HF loop)
+    # the paper's rounds (estimate_dtype fp32): the nominal schedule, GAS/2 micro-batches per
+    # round on every rank
+    ("acco", False, None, 1, None, "fp32"),
+    ("acco", False, None, GAS, None, "fp32"),  # the same, engine.step() only every GAS micro-batches (HF loop)
     # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits; balanced, rank 1
     # launches its rounds after one micro-batch once the paces are known, so rank 0 sets the pace
-    ("acco", True, 1, 1, True, None),
-    ("acco", True, 1, 1, False, None),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
-    ("acco", False, None, 1, None, "bf16"),  # the estimate round in bf16: half its bytes
+    ("acco", True, 1, 1, True, "fp32"),
+    ("acco", True, 1, 1, False, "fp32"),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
+    ("acco", False, None, 1, None, None),      # the default: the estimate round in bf16, half its bytes
     ("dpu", False, None, 1, None, None),
 ], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "acco-bf16-estimate", "dpu"])
 def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estimate_dtype):
@@ -135,6 +137,7 @@ def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estim
     assert torch.equal(r[0]["master"], r[1]["master"]) and torch.equal(r[0]["live"], r[1]["live"])
     assert r[0]["flushed"] and r[1]["flushed"]
     if variant == "acco":
+        estimate_dtype = estimate_dtype or "bf16"
         # Bytes sent per rank (W = 2: (W-1)/W = 1/2 of the padded buffer): a real round
         # reduce-scatters and all-gathers in fp32; an estimate round too, or in bf16 (half).
         real, estimates = STEPS, len(r[0]["counts"]) - STEPS
@@ -144,7 +147,11 @@ def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estim
             assert sent == r[0]["padded"] / 2 * (4 * real + elem * estimates), op
     master, live = simulate(blocks, variant, acco_config(variant, wait), estimate_dtype or "fp32")
     torch.testing.assert_close(r[0]["master"], master, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(r[0]["live"], live, rtol=1e-5, atol=1e-5)
+    # A bf16 estimate's change rounds to 2^-9 of itself (about 1e-5 of a 3e-3 step): one rounding
+    # that falls the other way between the fused AdamW and torch's moves the model by that much.
+    # (Copying the change instead of adding it would be off by the weights themselves.)
+    atol = 4e-5 if variant == "acco" and estimate_dtype == "bf16" else 1e-5
+    torch.testing.assert_close(r[0]["live"], live, rtol=1e-5, atol=atol)
     # A step counts when its real round is launched: the loop stopped at step STEPS with that
     # round in flight (the model holding the estimate under acco, θ(STEPS−1) under DPU), and the
     # master includes it once settled.

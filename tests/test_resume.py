@@ -33,11 +33,12 @@ CASES = {
     "zero1-fp32": (_config("zero1"), 16, 8),
     "zero1-bf16": (_config("zero1", bf16=True), 16, 8),
     "zero1-fp16": (_fp16(_config("zero1")), 16, 8),
-    # one micro-batch into a step, the estimate round in flight
-    "acco": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False}), 36, 17),
-    # the estimate round in bf16, in flight at the save (its change gathered, not installed)
-    "acco-bf16-estimate": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False,
-                                                         "estimate_dtype": "bf16"}), 36, 19),
+    # mid-step, the estimate round in flight: its change from the master gathered in bf16, not
+    # yet added to the model (estimate_dtype bf16, the default)
+    "acco": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False}), 36, 19),
+    # the paper's estimate round (its parameters gathered whole), a round in flight at the save
+    "acco-fp32-estimate": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False,
+                                                         "estimate_dtype": "fp32"}), 36, 17),
     "demo": (_config("demo", shard_group_size=1), 16, 8),
     # step 4's update in flight at the save
     "demo-overlap": (_config("demo", shard_group_size=1, demo={"overlap": True}), 16, 8),
@@ -102,9 +103,9 @@ def test_resume(tmp_path, case):
         assert torch.equal(r0["masters"][1], r1["masters"][1])
     else:
         assert r0["digests"][1] == r1["digests"][1]
-    if case in ("acco", "demo-overlap"):
+    if case in ("acco-fp32-estimate", "demo-overlap"):
         assert r0["in_flight"] == r1["in_flight"] == "result"
-    if case == "acco-bf16-estimate":
+    if case == "acco":
         assert r0["in_flight"] == r1["in_flight"] == "delta"
     if case.startswith("zero1") and case != "zero1-fp16":
         # Per-step bytes of the resumed process equal the uninterrupted run's (zero1 sends the
@@ -149,7 +150,8 @@ def _async_save(rank, world, save_dir):
 def test_async_save_writes_the_state_of_the_save_step(tmp_path):
     for r in run_ranks(_async_save, 2, str(tmp_path)):
         assert not r["published_at_return"]  # save_checkpoint returned before the files were done
-        assert r["second"] == r["first"] and len(r["first"]) == 36 - 17
+        assert len(r["first"]) == CASES["acco"][1] - CASES["acco"][2]
+        assert r["second"] == r["first"]
         assert r["digests"][1] == r["digests"][0]
 
 

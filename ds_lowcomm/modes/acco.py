@@ -9,7 +9,8 @@ gradient computation on the training thread::
                 compute meanwhile: next first-half grads on θ̃(t+1)      (the estimate)
 
 At every switch (a rank has computed its quota of micro-batches since the last one, GAS/2 unless
-``balance`` lowers it, and the round in flight is done): install the round's all-gathered result as the model's parameters, hand the
+``balance`` lowers it, and the round in flight is done): install the round's all-gathered result as the model's parameters
+(or add it, a bf16 estimate's change), hand the
 accumulator (and its micro-batch count) to the next round, and zero the accumulator only after
 launching a real round. A real round therefore gets both halves, an estimate round only the
 first; zeroing after an estimate too would degrade ACCO to DPU. When the loop ends a step early
@@ -31,13 +32,15 @@ the pace and the global count still weights the sum.
 ``variant: "dpu"``: one real round per step of GAS micro-batches, installed one step late
 (θ(t+1) = θ(t) − AdamW(g(θ(t−1)))), for comparison; no estimate.
 
-``estimate_dtype: "bf16"``: the estimate round reduce-scatters its half-batch gradient in bf16 and
-all-gathers only the estimate's change from the master, in bf16, which each rank adds to the
-parameters it holds (equal to the master when an estimate round is launched): half the estimate
-round's bytes, the parameters themselves never rounded; the real round stays exact.
+``estimate_dtype: "bf16"`` (default; fp32 models): the estimate round reduce-scatters its
+half-batch gradient in bf16 and all-gathers only the estimate's change from the master, in bf16,
+which each rank adds to the parameters it holds (equal to the master when an estimate round is
+launched): half the estimate round's bytes, the fp32 parameters never rounded to bf16 (only the
+small change is); the real round stays exact. ``"fp32"`` (and any bf16/fp16 model, whose rounds
+already travel in 2 bytes) sends the estimate round like the real one, as the paper does.
 
-Cost per optimizer step: twice zero1's bytes (two rounds; 1.5 times with a bf16 estimate from
-fp32), hidden when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
+Cost per optimizer step: 1.5 times zero1's bytes in fp32 (a real round, and an estimate round at
+half its bytes; twice with ``estimate_dtype: "fp32"``), hidden when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
 accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradient shard).
 """
 from __future__ import annotations
@@ -66,9 +69,10 @@ class AccoOptions:
                           choices=("acco", "dpu"))
     accumulate_while_waiting: bool = option(True, "keep computing micro-batches while a round is "
                                             "in flight instead of waiting for it")
-    estimate_dtype: str = option("fp32", "'fp32', or 'bf16': the estimate round reduce-scatters its "
-                                 "gradient and all-gathers its parameter change in bf16 (half its "
-                                 "bytes; the real round stays exact)", choices=("fp32", "bf16"))
+    estimate_dtype: str = option("bf16", "'bf16': the estimate round reduce-scatters its gradient and "
+                                 "all-gathers its parameter change in bf16 (half its bytes; the real "
+                                 "round stays exact); 'fp32': in comm_dtype and the model dtype, as "
+                                 "the paper", choices=("fp32", "bf16"))
     balance: bool = option(True, "with accumulate_while_waiting: a rank slower than the fastest launches "
                            "its rounds after fewer micro-batches (in proportion to its measured speed, "
                            "at least one), so the fastest rank sets the pace instead of the slowest")
@@ -102,7 +106,7 @@ class Acco(Mode):
                 f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
                 f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
         section = ds.get("lowcomm", {}).get("acco", {})
-        if cfg.mode_options.variant == "dpu" and cfg.mode_options.estimate_dtype != "fp32":
+        if cfg.mode_options.variant == "dpu" and "estimate_dtype" in ds.get("lowcomm", {}).get("acco", {}):
             raise LowCommConfigError(
                 f"lowcomm.acco.estimate_dtype: {cfg.mode_options.estimate_dtype!r} applies to the estimate "
                 "round of variant 'acco'; variant 'dpu' has none: leave estimate_dtype out")
@@ -130,8 +134,11 @@ class Acco(Mode):
         self.gathered = torch.zeros_like(ctx.flat.buffer)
         # estimate_dtype bf16: the estimate's change from the master, gathered into the first
         # bytes of ``gathered`` (a round's result and a change are never in flight at once).
+        # fp32 models only: a bf16/fp16 model's rounds already travel in 2 bytes, and a change
+        # smaller than half a ulp of a 2-byte weight would be lost when added to it.
         self.estimate_delta = (self.gathered.view(torch.bfloat16)[:layout.padded]
-                               if options.estimate_dtype == "bf16" and self.two_rounds else None)
+                               if options.estimate_dtype == "bf16" and self.two_rounds
+                               and ctx.flat.buffer.dtype == torch.float32 else None)
         self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
         self.next_estimate = self.two_rounds
         self.since_switch = 0
