@@ -27,6 +27,8 @@ each mode is reported at the budget that reached the target soonest.
 ``--regime`` sets up a link: ``fast`` (none), ``moderate`` (a DDP sync takes about one step of
 compute), ``slow`` (about ten), ``uneven`` (rank 1 three times slower per micro-batch) and
 ``two-node`` (4 ranks as 2 nodes of 2: fast inside a node, a rate-limited link between them).
+``slow`` and ``two-node`` run ``demo`` and ``desloc`` with their slow-link configs
+(``REGIME_CONFIGS``).
 ``moderate``, ``slow`` and ``two-node`` derive the rate from a short calibration run of this
 machine's compute time (printed; ``--bandwidth`` overrides it).
 
@@ -60,6 +62,9 @@ CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd":
            "acco": "acco_zero1.json", "acco-fp32-estimate": "acco_zero1.json", "dpu": "dpu_zero1.json",
            "demo": "demo_zero1.json", "demo-k256": "demo_zero1.json", "desloc": "desloc_zero1.json",
            "desloc-k64": "desloc_zero1.json"}
+#: the shipped configs a regime uses instead of CONFIGS' (its link makes other settings win)
+REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "desloc": "desloc_slow_link.json"}
+                  for regime in ("slow", "two-node")}
 #: modes that are a shipped config with options changed: merged into its "lowcomm" section
 VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
             "acco-fp32-estimate": {"acco": {"estimate_dtype": "fp32"}},
@@ -202,8 +207,13 @@ class TwoNodeLink(Link):
         self.names, self.ns = [], None
 
 
+def config_name(mode: str, regime: Optional[str]) -> str:
+    """The shipped config (in ds_configs/) ``mode`` starts from under ``regime``."""
+    return REGIME_CONFIGS.get(regime, {}).get(mode, CONFIGS[mode])
+
+
 def write_config(mode: str, args, out: Path, steps: int) -> Path:
-    cfg = json.loads((ROOT / "ds_configs" / CONFIGS[mode]).read_text())
+    cfg = json.loads((ROOT / "ds_configs" / config_name(mode, args.regime)).read_text())
     cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     cfg["gradient_accumulation_steps"] = args.gas
     if "scheduler" in cfg:  # the schedule spans the run's budget
@@ -747,6 +757,10 @@ def main(argv=None) -> dict:
                                            "set", "repeat", "seed", "regime", "evals", "powersgd_rank")}
     config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency, steps=max(args.budgets),
                   command=command)
+    for mode in args.mode_list:
+        if mode != "ideal":
+            print(f"{mode}: ds_configs/{config_name(mode, args.regime)}"
+                  + (f" with {VARIANTS[mode]}" if mode in VARIANTS else ""), flush=True)
     total = len(args.mode_list) * len(args.budgets) * args.repeat
     done, t_start, results = 0, time.monotonic(), []
     try:

@@ -189,7 +189,9 @@ def test_two_node_regime(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["config"]["regime"] == "two-node" and result["config"]["world_size"] == 4
     assert "calibration:" in proc.stdout and result["config"]["bandwidth"].endswith("kbit")
-    assert json.loads((tmp_path / "configs" / "demo.3.json").read_text())["lowcomm"]["shard_group_size"] == 2
+    demo = json.loads((tmp_path / "configs" / "demo.3.json").read_text())["lowcomm"]
+    assert demo["shard_group_size"] == 2
+    assert demo["demo"]["topk"] == 256  # the regime runs ds_configs/demo_slow_link.json
     runs = {r["mode"]: r for r in result["runs"]}
     assert all(r["world_size"] == 4 for r in runs.values())
     assert 0 < runs["demo"]["link_bytes_per_step"] < runs["ddp"]["link_bytes_per_step"]

@@ -159,6 +159,14 @@ def test_trainer_configs_match_the_deepspeed_ones(mode):
     assert parse(filled).mode == mode
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json")
+                                        if p.name != "deepspeed_zero1.json"))
+def test_shipped_configs_are_valid(name):
+    """Every shipped ds_lowcomm config passes the checks a run makes before it starts."""
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / name).read_text())
+    assert parse(cfg).mode == cfg["lowcomm"]["mode"]
+
+
 def test_initialize_rejects_before_touching_distributed():
     """A bad config raises from deepspeed.initialize itself, before any process group exists."""
     import deepspeed
