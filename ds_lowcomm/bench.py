@@ -13,8 +13,7 @@ plots into ``--out``:
 - ``deepspeed``: stock DeepSpeed ZeRO-1 (``ds_configs/deepspeed_zero1.json``);
 - ``zero1``, ``acco``, ``dpu``, ``demo``, ``desloc``: ds_lowcomm modes (``ds_configs/<mode>*.json``);
   variants of a shipped config (``VARIANTS``): ``zero1-overlap`` (``"zero1": {"overlap": true}``),
-  ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32"}``, the paper's estimate round), ``demo-k256`` (top-256 per tile),
-  ``desloc-k64`` (periods 64 / 192 / 384).
+  ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32"}``, the paper's estimate round).
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
@@ -60,17 +59,13 @@ TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
 CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd": "deepspeed_zero1.json",
            "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "zero1-overlap": "zero1.json",
            "acco": "acco_zero1.json", "acco-fp32-estimate": "acco_zero1.json", "dpu": "dpu_zero1.json",
-           "demo": "demo_zero1.json", "demo-k256": "demo_zero1.json", "desloc": "desloc_zero1.json",
-           "desloc-k64": "desloc_zero1.json"}
+           "demo": "demo_zero1.json", "desloc": "desloc_zero1.json"}
 #: the shipped configs a regime uses instead of CONFIGS' (its link makes other settings win)
 REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "desloc": "desloc_slow_link.json"}
                   for regime in ("slow", "two-node")}
 #: modes that are a shipped config with options changed: merged into its "lowcomm" section
 VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
-            "acco-fp32-estimate": {"acco": {"estimate_dtype": "fp32"}},
-            "demo-k256": {"demo": {"topk": 256}},
-            "desloc-k64": {"desloc": {"param_sync_every": 64, "momentum_sync_every": 192,
-                                      "variance_sync_every": 384}}}
+            "acco-fp32-estimate": {"acco": {"estimate_dtype": "fp32"}}}
 PEERS = ("ddp", "ddp-powersgd", "deepspeed")
 #: the synchronous baselines whose final val loss is the default target, in order of preference
 BASELINES = ("ddp", "deepspeed", "zero1")
@@ -387,6 +382,10 @@ def reload_runs(out: Path) -> Tuple[dict, List[dict]]:
             recs = [_ideal_records(out / "logs" / f"{label}.rank0.jsonl", r["world_size"]) for label in labels]
         else:
             recs = [_records(out / "logs" / f"{label}.jsonl") for label in labels]
+        if not all(recs):
+            raise SystemExit(f"bench: --retarget {out}: the per-step log of {r['mode']} at {r['steps']} "
+                             f"steps is missing or empty in {out / 'logs'}; retarget the directory the "
+                             f"bench wrote, with its logs")
         r.update(all_records=recs, records=recs[len(recs) // 2], seconds_to_target=None,
                  tokens_to_target=None, step_to_target=None)
     return payload["config"], runs

@@ -203,3 +203,27 @@ def test_balanced_quota(per_round, paces, quotas):
     from ds_lowcomm.modes.acco import balanced_quota
 
     assert [balanced_quota(per_round, paces, r) for r in range(len(paces))] == quotas
+
+
+def _bf16_model(rank, world, estimate_dtype):
+    cfg = acco_config(estimate_dtype=estimate_dtype)
+    cfg["bf16"] = {"enabled": True}
+    engine = workers.build_engine(cfg)
+    losses = []
+    for j in range(3 * GAS):
+        x = workers.batch(j, 0, rank)
+        loss = engine(x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.optimizer.settle()
+    return losses, workers.params_digest(engine)
+
+
+def test_bf16_model_sends_the_estimate_like_the_paper():
+    """A bf16 model's rounds already travel in 2 bytes: the default estimate_dtype leaves its
+    training bit-identical to estimate_dtype fp32 (adding a bf16 change to bf16 weights could
+    lose it)."""
+    default = run_ranks(_bf16_model, 2, None)
+    paper = run_ranks(_bf16_model, 2, "fp32")
+    assert default == paper

@@ -106,7 +106,7 @@ class Acco(Mode):
                 f"gradient_accumulation_steps: got {gas}; lowcomm.mode 'acco' splits each step into two "
                 f"rounds of gradient_accumulation_steps/2 micro-batches, use an even number (e.g. {gas + 1})")
         section = ds.get("lowcomm", {}).get("acco", {})
-        if cfg.mode_options.variant == "dpu" and "estimate_dtype" in ds.get("lowcomm", {}).get("acco", {}):
+        if cfg.mode_options.variant == "dpu" and "estimate_dtype" in section:
             raise LowCommConfigError(
                 f"lowcomm.acco.estimate_dtype: {cfg.mode_options.estimate_dtype!r} applies to the estimate "
                 "round of variant 'acco'; variant 'dpu' has none: leave estimate_dtype out")
