@@ -13,7 +13,9 @@ plots into ``--out``:
 - ``deepspeed``: stock DeepSpeed ZeRO-1 (``ds_configs/deepspeed_zero1.json``);
 - ``zero1``, ``acco``, ``dpu``, ``demo``, ``desloc``: ds_lowcomm modes (``ds_configs/<mode>*.json``);
   variants of a shipped config (``VARIANTS``): ``zero1-overlap`` (``"zero1": {"overlap": true}``),
-  ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32"}``, the paper's estimate round).
+  ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32", "real_gather_dtype": "fp32"}``, the
+  paper's rounds), ``acco-fp32-gather`` (``"acco": {"real_gather_dtype": "fp32"}``, the real round's
+  parameters gathered whole), ``demo-overlap`` (``"demo": {"overlap": true, "lookahead": false}``).
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
@@ -58,14 +60,19 @@ TRAIN = ROOT / "examples" / "train.py"
 TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
 CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd": "deepspeed_zero1.json",
            "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "zero1-overlap": "zero1.json",
-           "acco": "acco_zero1.json", "acco-fp32-estimate": "acco_zero1.json", "dpu": "dpu_zero1.json",
-           "demo": "demo_zero1.json", "desloc": "desloc_zero1.json"}
+           "acco": "acco_zero1.json", "acco-fp32-estimate": "acco_zero1.json",
+           "acco-fp32-gather": "acco_zero1.json", "dpu": "dpu_zero1.json",
+           "demo": "demo_zero1.json", "demo-overlap": "demo_zero1.json", "desloc": "desloc_zero1.json"}
 #: the shipped configs a regime uses instead of CONFIGS' (its link makes other settings win)
-REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "desloc": "desloc_slow_link.json"}
+REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "demo-overlap": "demo_slow_link.json",
+                           "desloc": "desloc_slow_link.json"}
                   for regime in ("slow", "two-node")}
 #: modes that are a shipped config with options changed: merged into its "lowcomm" section
 VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
-            "acco-fp32-estimate": {"acco": {"estimate_dtype": "fp32"}}}
+            "acco-fp32-estimate": {"acco": {"estimate_dtype": "fp32", "real_gather_dtype": "fp32"}},
+            "acco-fp32-gather": {"acco": {"real_gather_dtype": "fp32"}},
+            # (no look-ahead: it needs shard_group_size 1, which two-node's demo does not have)
+            "demo-overlap": {"demo": {"overlap": True, "lookahead": False}}}
 PEERS = ("ddp", "ddp-powersgd", "deepspeed")
 #: the synchronous baselines whose final val loss is the default target, in order of preference
 BASELINES = ("ddp", "deepspeed", "zero1")

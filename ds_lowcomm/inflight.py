@@ -4,7 +4,8 @@ Megatron's ``start_*/finish_*`` overlap as one component: :meth:`launch` submits
 to the comm worker, whose ticket is a :class:`concurrent.futures.Future`; :meth:`ready` asks it
 without blocking; :meth:`install` waits for it and makes the round's result (the padded buffer the
 round all-gathers into) the model's parameters. For a checkpoint, :meth:`settle` waits without
-installing and :meth:`verdict` describes the finished round; :meth:`restore` re-creates it as a
+installing, :meth:`rebase` replaces the parameters under a pending round and
+:meth:`verdict` describes the finished round; :meth:`restore` re-creates it as a
 completed future, so the next :meth:`install` installs it as if it had just run.
 """
 from __future__ import annotations
@@ -15,6 +16,10 @@ import torch
 
 from ds_lowcomm.round import StepRound
 from ds_lowcomm.worker import CommWorker, Ticket
+
+
+#: elements re-based at a time (a few MB of fp32 temporaries, never a model-sized one)
+REBASE_CHUNK = 1 << 20
 
 
 class InFlight:
@@ -59,6 +64,20 @@ class InFlight:
             self.params.copy_(self.result)
         rnd.install()
         return rnd
+
+    @torch.no_grad()
+    def rebase(self, full: torch.Tensor) -> None:
+        """Make the unpadded ``full`` the model's parameters, the round staying pending (acco's
+        flush): a change the round gathered is re-taken from ``full``, chunk by chunk, so its
+        install still gives the round's result (the change rounded once more)."""
+        self.settle()
+        n = full.numel()
+        delta = None if self.ticket is None else self.ticket.round.delta
+        if delta is not None:
+            for a in range(0, n, REBASE_CHUNK):
+                b = min(n, a + REBASE_CHUNK)
+                delta[a:b] = self.params[a:b] + delta[a:b].float() - full[a:b]
+        self.params[:n].copy_(full)
 
     def drop(self) -> None:
         """Forget the round (a load replaces the state it was computed from)."""

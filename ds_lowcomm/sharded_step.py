@@ -8,7 +8,7 @@ Communication, over the shard group of W ranks, for P padded elements::
     reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
     all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
-                    (an estimate's change from the master, into ``delta``: its dtype's bytes)
+                    (or their change from the model's, into ``delta``: its dtype's bytes)
 
 The reduce-scatter travels in ``wire_dtype`` (default comm_dtype).
 
@@ -87,12 +87,14 @@ class ShardedStepRound(StepRound):
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
         wire_dtype: the dtype the gradient is reduce-scattered in (default ``comm_dtype``).
-        delta: with ``estimate``, a padded flat buffer that gets the estimate's *change* from the
-            master, all-gathered in ``delta``'s dtype, instead of ``target`` getting the
-            parameters; :class:`~ds_lowcomm.inflight.InFlight` adds it to the parameters the
-            model holds, which equal the master when an estimate round is launched (acco's
-            ``estimate_dtype: "bf16"``: half the all-gather's bytes, rounding only the small
-            change, never the parameters).
+        delta: a padded flat buffer that gets the new parameters' *change* from the parameters
+            the model holds (``ctx.flat.buffer``, which nothing writes while the round is in
+            flight), all-gathered in ``delta``'s dtype, instead of ``target`` getting the
+            parameters; :class:`~ds_lowcomm.inflight.InFlight` adds it to them (acco's bf16
+            ``estimate_dtype`` and ``real_gather_dtype``: half the all-gather's bytes, rounding
+            only the small change, never the parameters; the model then differs from the
+            result by that rounding, which the next round's change, taken from the model,
+            corrects instead of accumulating).
         after_update: called in a real round after the update, or after its skip, and before the
             all-gather (DES-LOC averages the replicas' states there, so the all-gather spreads
             the average).
@@ -104,7 +106,7 @@ class ShardedStepRound(StepRound):
             (``zero1`` with overlap, :class:`~ds_lowcomm.buckets.ParamBuckets`).
 
     A non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
-    master (``delta`` a zero change), and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
+    master (``delta`` the change back to it), and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
     """
 
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,
@@ -118,9 +120,6 @@ class ShardedStepRound(StepRound):
             raise ValueError("give exactly one of scale and local_count")
         if local_pace is not None and local_count is None:
             raise ValueError("local_pace rides on the local_count all-reduce: give local_count too")
-        if delta is not None and not estimate:
-            raise ValueError("delta: only an estimate round's result is a change (a real round's "
-                             "parameters are gathered whole, so replicas never drift from the master)")
         super().__init__()
         self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
         self.wire_dtype = wire_dtype or ctx.comm_dtype
@@ -170,10 +169,9 @@ class ShardedStepRound(StepRound):
         if self.skipped:
             self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
         if self.estimate and self.delta is not None:
-            est = self.adamw.master.clone()
+            out = self.adamw.master.clone()
             if not self.skipped:
-                self.adamw.estimate(grad, self.hyper, est)
-            out = est.sub_(self.adamw.master).to(self.delta.dtype)  # a skip changes nothing
+                self.adamw.estimate(grad, self.hyper, out)
         elif self.estimate:
             out = self.adamw.master.to(self.target.dtype, copy=True)
             if not self.skipped:
@@ -184,7 +182,11 @@ class ShardedStepRound(StepRound):
             if self.after_update is not None:
                 self.after_update()
             # The master itself is gathered when the dtypes agree: no shard-sized copy.
-            out = self.adamw.master.to(self.target.dtype)
+            out = self.adamw.master if self.delta is not None else self.adamw.master.to(self.target.dtype)
+        if self.delta is not None:
+            # The change from what the model holds (not from the master: the two differ by the
+            # previous change's rounding), computed in fp32 and rounded once.
+            out = (out - layout.shard(self.ctx.flat.buffer)).to(self.delta.dtype)
         self.out = out
         if self.gather:
             comm.all_gather(self.target if self.delta is None else self.delta, out)

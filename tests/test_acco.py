@@ -12,19 +12,23 @@ GAS = 4
 STEPS = 10
 
 
-def acco_config(variant="acco", wait=False, gas=GAS, balance=None, estimate_dtype="fp32"):
+def acco_config(variant="acco", wait=False, gas=GAS, balance=None, estimate_dtype="fp32",
+                real_gather_dtype="fp32"):
     options = {"variant": variant, "accumulate_while_waiting": wait}
     if balance is not None:  # (balance: true without waiting is refused)
         options["balance"] = balance
-    if variant == "acco" and estimate_dtype is not None:  # None: the default (bf16)
+    if variant == "acco" and estimate_dtype is not None:  # None: the default
         options["estimate_dtype"] = estimate_dtype
+    if real_gather_dtype is not None:  # None: the default
+        options["real_gather_dtype"] = real_gather_dtype
     cfg = workers.config("acco", acco=options)
     cfg["gradient_accumulation_steps"] = gas
     return cfg
 
 
-def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance, estimate_dtype):
-    engine = workers.build_engine(acco_config(variant, wait, balance=balance, estimate_dtype=estimate_dtype))
+def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance, estimate_dtype, real_gather_dtype):
+    engine = workers.build_engine(acco_config(variant, wait, balance=balance, estimate_dtype=estimate_dtype,
+                                              real_gather_dtype=real_gather_dtype))
     j = 0
     while engine.global_steps < STEPS:
         x = workers.batch(j, 0, rank)  # this rank's j-th micro-batch
@@ -40,19 +44,25 @@ def _train_acco(rank, world, variant, wait, slow_rank, step_every, balance, esti
     ops = engine.comm_stats()["ops"]  # the rounds' collectives (before master_weights gathers)
     live = opt.flat.unpadded(opt.flat.buffer).clone()
     master = opt.master_weights()
+    # What installing the pending round gives: its result, or the model plus its change.
+    rnd, n = opt.mode.inflight.round, live.numel()
+    pending = live + rnd.delta[:n].float() if rnd.delta is not None else opt.mode.gathered[:n].clone()
     opt.flush()  # the model now holds the latest real update, whatever was in flight
     flushed = torch.equal(opt.flat.unpadded(opt.flat.buffer), master)
+    opt.mode.inflight.install()  # the round stayed pending: a change is re-taken from the master
+    installed = opt.flat.unpadded(opt.flat.buffer).clone()
     return dict(blocks=list(opt.mode.block_sizes), counts=list(opt.mode.round_counts),
                 master=master, live=live, micro_batches=j, steps=opt.steps, flushed=flushed,
-                padded=opt.flat.layout.padded, ops=ops)
+                pending=pending, installed=installed, padded=opt.flat.layout.padded, ops=ops)
 
 
-def simulate(blocks, variant, cfg, estimate_dtype="fp32"):
+def simulate(blocks, variant, cfg, estimate_dtype="fp32", real_gather_dtype="fp32"):
     """ACCO / DPU from the paper's equations: W simulated workers, one model, torch.optim.AdamW.
 
     ``blocks[i][b]``: micro-batches worker i computed between switch b-1 and switch b. With
     ``estimate_dtype`` bf16 the estimate takes each worker's gradient sum rounded to bf16, and the
-    model gets θ plus the estimate's change from θ rounded to bf16.
+    model gets its parameters plus the estimate's change from them rounded to bf16; with
+    ``real_gather_dtype`` bf16 the same for the real round's result (its gradient exact).
     """
     torch.set_num_threads(1)
     world = len(blocks)
@@ -92,12 +102,13 @@ def simulate(blocks, variant, cfg, estimate_dtype="fp32"):
             shadow.step()
             result = shadow.param_groups[0]["params"][0].detach().clone()
             if cheap:
-                theta = master.detach()
-                result = theta + (result - theta).bfloat16().float()
+                result = live + (result - live).bfloat16().float()
         else:
             master.grad = g
             opt.step()
             result = master.detach().clone()
+            if real_gather_dtype == "bf16":
+                result = live + (result - live).bfloat16().float()
         pending = (result, estimate)
         if variant == "dpu" or finished_estimate:
             accum = [torch.zeros_like(live) for _ in range(world)]
@@ -106,20 +117,24 @@ def simulate(blocks, variant, cfg, estimate_dtype="fp32"):
     return master.detach(), live
 
 
-@pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance,estimate_dtype", [
-    # the paper's rounds (estimate_dtype fp32): the nominal schedule, GAS/2 micro-batches per
-    # round on every rank
-    ("acco", False, None, 1, None, "fp32"),
-    ("acco", False, None, GAS, None, "fp32"),  # the same, engine.step() only every GAS micro-batches (HF loop)
+@pytest.mark.parametrize("variant,wait,slow_rank,step_every,balance,estimate_dtype,real_gather_dtype", [
+    # the paper's rounds (both in fp32): the nominal schedule, GAS/2 micro-batches per round on
+    # every rank
+    ("acco", False, None, 1, None, "fp32", "fp32"),
+    ("acco", False, None, GAS, None, "fp32", "fp32"),  # the same, engine.step() only every GAS micro-batches (HF loop)
     # uneven: rank 1 is 4x slower, rank 0 keeps computing while it waits; balanced, rank 1
     # launches its rounds after one micro-batch once the paces are known, so rank 0 sets the pace
-    ("acco", True, 1, 1, True, "fp32"),
-    ("acco", True, 1, 1, False, "fp32"),       # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
-    ("acco", False, None, 1, None, None),      # the default: the estimate round in bf16, half its bytes
-    ("dpu", False, None, 1, None, None),
-], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "acco-bf16-estimate", "dpu"])
-def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estimate_dtype):
-    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance, estimate_dtype)
+    ("acco", True, 1, 1, True, "fp32", "fp32"),
+    ("acco", True, 1, 1, False, "fp32", "fp32"),  # unbalanced: rank 1 computes GAS/2 per round, rank 0 waits on it
+    ("acco", False, None, 1, None, "bf16", "fp32"),  # the estimate round in bf16, half its bytes
+    ("acco", False, None, 1, None, "bf16", "bf16"),  # and the real round's all-gather a bf16 change
+    ("dpu", False, None, 1, None, None, "fp32"),
+    ("dpu", False, None, 1, None, None, "bf16"),
+], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "acco-bf16-estimate",
+        "acco-bf16-gathers", "dpu", "dpu-bf16-gather"])
+def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estimate_dtype, real_gather_dtype):
+    r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance, estimate_dtype,
+                  real_gather_dtype)
     blocks = [x["blocks"] for x in r]
     assert r[0]["steps"] == STEPS and len(blocks[0]) == len(blocks[1])
     if slow_rank is None:
@@ -136,22 +151,25 @@ def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estim
             assert min(slow_blocks) >= GAS // 2, slow_blocks
     assert torch.equal(r[0]["master"], r[1]["master"]) and torch.equal(r[0]["live"], r[1]["live"])
     assert r[0]["flushed"] and r[1]["flushed"]
-    if variant == "acco":
-        estimate_dtype = estimate_dtype or "bf16"
-        # Bytes sent per rank (W = 2: (W-1)/W = 1/2 of the padded buffer): a real round
-        # reduce-scatters and all-gathers in fp32; an estimate round too, or in bf16 (half).
-        real, estimates = STEPS, len(r[0]["counts"]) - STEPS
-        elem = 2 if estimate_dtype == "bf16" else 4
-        for op in ("reduce_scatter", "all_gather"):
-            sent = sum(v["bytes_sent"] for k, v in r[0]["ops"].items() if k.endswith(op))
-            assert sent == r[0]["padded"] / 2 * (4 * real + elem * estimates), op
-    master, live = simulate(blocks, variant, acco_config(variant, wait), estimate_dtype or "fp32")
+    estimate_dtype = estimate_dtype or "fp32"  # (dpu has no estimate round)
+    # Bytes sent per rank (W = 2: (W-1)/W = 1/2 of the padded buffer): a real round
+    # reduce-scatters in fp32 and all-gathers in fp32 or, as a change, bf16; an estimate round
+    # both in fp32 or both in bf16.
+    real, estimates = STEPS, len(r[0]["counts"]) - STEPS
+    est = 2 if estimate_dtype == "bf16" else 4
+    for op, elem in (("reduce_scatter", 4), ("all_gather", 2 if real_gather_dtype == "bf16" else 4)):
+        sent = sum(v["bytes_sent"] for k, v in r[0]["ops"].items() if k.endswith(op))
+        assert sent == r[0]["padded"] / 2 * (elem * real + est * estimates), op
+    master, live = simulate(blocks, variant, acco_config(variant, wait), estimate_dtype, real_gather_dtype)
     torch.testing.assert_close(r[0]["master"], master, rtol=1e-5, atol=1e-5)
-    # A bf16 estimate's change rounds to 2^-9 of itself (about 1e-5 of a 3e-3 step): one rounding
-    # that falls the other way between the fused AdamW and torch's moves the model by that much.
+    # A bf16 change rounds to 2^-9 of itself (about 1e-5 of a 3e-3 step): one rounding that
+    # falls the other way between the fused AdamW and torch's moves the model by that much.
     # (Copying the change instead of adding it would be off by the weights themselves.)
-    atol = 4e-5 if variant == "acco" and estimate_dtype == "bf16" else 1e-5
-    torch.testing.assert_close(r[0]["live"], live, rtol=1e-5, atol=atol)
+    rounded = "bf16" in (estimate_dtype, real_gather_dtype)
+    torch.testing.assert_close(r[0]["live"], live, rtol=1e-5, atol=4e-5 if rounded else 1e-5)
+    # The flush left the round pending: its install gives what it would have given (a change
+    # re-taken from the master, rounded once more), not the master plus the old change.
+    torch.testing.assert_close(r[0]["installed"], r[0]["pending"], rtol=0, atol=1e-5 if rounded else 0)
     # A step counts when its real round is launched: the loop stopped at step STEPS with that
     # round in flight (the model holding the estimate under acco, θ(STEPS−1) under DPU), and the
     # master includes it once settled.

@@ -33,12 +33,15 @@ CASES = {
     "zero1-fp32": (_config("zero1"), 16, 8),
     "zero1-bf16": (_config("zero1", bf16=True), 16, 8),
     "zero1-fp16": (_fp16(_config("zero1")), 16, 8),
-    # mid-step, the estimate round in flight: its change from the master gathered in bf16, not
-    # yet added to the model (estimate_dtype bf16, the default)
+    # mid-step, the estimate round in flight: its change from the model's parameters gathered
+    # in bf16, not yet added to the model (estimate_dtype bf16, the default)
     "acco": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False}), 36, 19),
-    # the paper's estimate round (its parameters gathered whole), a round in flight at the save
-    "acco-fp32-estimate": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False,
-                                                         "estimate_dtype": "fp32"}), 36, 17),
+    # the real round in flight, its change gathered in bf16 (real_gather_dtype bf16, the default)
+    "acco-real-change": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False}),
+                         36, 17),
+    # the paper's rounds (parameters gathered whole), the real round in flight at the save
+    "acco-paper": (_config("acco", gas=4, acco={"variant": "acco", "accumulate_while_waiting": False,
+                                                 "estimate_dtype": "fp32", "real_gather_dtype": "fp32"}), 36, 17),
     "demo": (_config("demo", shard_group_size=1), 16, 8),
     # step 4's update in flight at the save
     "demo-overlap": (_config("demo", shard_group_size=1, demo={"overlap": True}), 16, 8),
@@ -103,9 +106,9 @@ def test_resume(tmp_path, case):
         assert torch.equal(r0["masters"][1], r1["masters"][1])
     else:
         assert r0["digests"][1] == r1["digests"][1]
-    if case in ("acco-fp32-estimate", "demo-overlap"):
+    if case in ("acco-paper", "demo-overlap"):
         assert r0["in_flight"] == r1["in_flight"] == "result"
-    if case == "acco":
+    if case in ("acco", "acco-real-change"):
         assert r0["in_flight"] == r1["in_flight"] == "delta"
     if case.startswith("zero1") and case != "zero1-fp16":
         # Per-step bytes of the resumed process equal the uninterrupted run's (zero1 sends the

@@ -10,7 +10,7 @@ gradient computation on the training thread::
 
 At every switch (a rank has computed its quota of micro-batches since the last one, GAS/2 unless
 ``balance`` lowers it, and the round in flight is done): install the round's all-gathered result as the model's parameters
-(or add it, a bf16 estimate's change), hand the
+(or add it, a bf16 change), hand the
 accumulator (and its micro-batch count) to the next round, and zero the accumulator only after
 launching a real round. A real round therefore gets both halves, an estimate round only the
 first; zeroing after an estimate too would degrade ACCO to DPU. When the loop ends a step early
@@ -33,14 +33,19 @@ the pace and the global count still weights the sum.
 (θ(t+1) = θ(t) − AdamW(g(θ(t−1)))), for comparison; no estimate.
 
 ``estimate_dtype: "bf16"`` (default; fp32 models): the estimate round reduce-scatters its
-half-batch gradient in bf16 and all-gathers only the estimate's change from the master, in bf16,
-which each rank adds to the parameters it holds (equal to the master when an estimate round is
-launched): half the estimate round's bytes, the fp32 parameters never rounded to bf16 (only the
-small change is); the real round stays exact. ``"fp32"`` (and any bf16/fp16 model, whose rounds
-already travel in 2 bytes) sends the estimate round like the real one, as the paper does.
+half-batch gradient in bf16 and all-gathers only the estimate's change from the parameters each
+rank holds, in bf16, which each rank adds to them: half the estimate round's bytes, the fp32
+parameters never rounded to bf16 (only the small change is). ``"fp32"`` (and any bf16/fp16 model,
+whose rounds already travel in 2 bytes) sends the estimate round like the real one, as the paper
+does. ``real_gather_dtype: "bf16"`` (default; fp32 models) does the same for the real round's
+all-gather only: its gradient is reduced in full and the master stays exact AdamW, while the model
+gets the master up to the rounding of one change (taken afresh from the model each round, so it
+never accumulates); ``"fp32"`` gathers the parameters whole.
 
-Cost per optimizer step: 1.5 times zero1's bytes in fp32 (a real round, and an estimate round at
-half its bytes; twice with ``estimate_dtype: "fp32"``), hidden when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
+Cost per optimizer step in fp32, against zero1's 8 bytes per parameter (times (W−1)/W): a real
+round of 6 (gradient in fp32, change in bf16) and an estimate round of 4, so 1.25 times zero1's
+bytes (1.5 times with ``real_gather_dtype: "fp32"``, twice with both dtypes ``"fp32"``), hidden
+when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
 accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradient shard).
 """
 from __future__ import annotations
@@ -70,9 +75,12 @@ class AccoOptions:
     accumulate_while_waiting: bool = option(True, "keep computing micro-batches while a round is "
                                             "in flight instead of waiting for it")
     estimate_dtype: str = option("bf16", "'bf16': the estimate round reduce-scatters its gradient and "
-                                 "all-gathers its parameter change in bf16 (half its bytes; the real "
-                                 "round stays exact); 'fp32': in comm_dtype and the model dtype, as "
-                                 "the paper", choices=("fp32", "bf16"))
+                                 "all-gathers its parameter change in bf16 (half its bytes); 'fp32': "
+                                 "in comm_dtype and the model dtype, as the paper", choices=("fp32", "bf16"))
+    real_gather_dtype: str = option("bf16", "'bf16': the real round all-gathers the parameters' change "
+                                    "from the model's in bf16 (its gradient stays exact; the model then "
+                                    "differs from the master by that change's rounding); 'fp32': the "
+                                    "parameters themselves, in the model dtype", choices=("fp32", "bf16"))
     balance: bool = option(True, "with accumulate_while_waiting: a rank slower than the fastest launches "
                            "its rounds after fewer micro-batches (in proportion to its measured speed, "
                            "at least one), so the fastest rank sets the pace instead of the slowest")
@@ -132,13 +140,14 @@ class Acco(Mode):
         self.adamw = ShardAdamW(layout, ctx.flat.buffer)
         self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
         self.gathered = torch.zeros_like(ctx.flat.buffer)
-        # estimate_dtype bf16: the estimate's change from the master, gathered into the first
-        # bytes of ``gathered`` (a round's result and a change are never in flight at once).
-        # fp32 models only: a bf16/fp16 model's rounds already travel in 2 bytes, and a change
-        # smaller than half a ulp of a 2-byte weight would be lost when added to it.
-        self.estimate_delta = (self.gathered.view(torch.bfloat16)[:layout.padded]
-                               if options.estimate_dtype == "bf16" and self.two_rounds
-                               and ctx.flat.buffer.dtype == torch.float32 else None)
+        # bf16 estimate_dtype / real_gather_dtype: a round's change from the model's parameters,
+        # gathered into the first bytes of ``gathered`` (a round's result and a change are never
+        # in flight at once). fp32 models only: a bf16/fp16 model's rounds already travel in 2
+        # bytes, and a change smaller than half a ulp of a 2-byte weight would be lost when added.
+        fp32_model = ctx.flat.buffer.dtype == torch.float32
+        change = self.gathered.view(torch.bfloat16)[:layout.padded] if fp32_model else None
+        self.estimate_delta = change if options.estimate_dtype == "bf16" and self.two_rounds else None
+        self.real_delta = change if options.real_gather_dtype == "bf16" else None
         self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
         self.next_estimate = self.two_rounds
         self.since_switch = 0
@@ -219,7 +228,7 @@ class Acco(Mode):
         rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=count,
                                local_pace=pace, estimate=self.next_estimate,
                                wire_dtype=torch.bfloat16 if cheap else None,
-                               delta=self.estimate_delta if cheap else None)
+                               delta=self.estimate_delta if self.next_estimate else self.real_delta)
         rnd.pack()
         self.inflight.launch(rnd)
         self.round_counts.append(count)
@@ -247,8 +256,7 @@ class Acco(Mode):
 
         The pending round, if any, stays pending; training may go on after a flush.
         """
-        self.settle()
-        self.ctx.set_params(self.master_weights())
+        self.inflight.rebase(self.master_weights())  # settles; a pending change stays right
 
     # -- state --------------------------------------------------------------------------------
 
