@@ -120,6 +120,9 @@ class ShardedStepRound(StepRound):
             raise ValueError("give exactly one of scale and local_count")
         if local_pace is not None and local_count is None:
             raise ValueError("local_pace rides on the local_count all-reduce: give local_count too")
+        if delta is not None and target.dtype != torch.float32:
+            raise ValueError(f"delta: a change is added to fp32 parameters only (these are {target.dtype}: "
+                             "a change below half a ulp of a 2-byte weight would be lost); gather them whole")
         super().__init__()
         self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
         self.wire_dtype = wire_dtype or ctx.comm_dtype
@@ -168,11 +171,7 @@ class ShardedStepRound(StepRound):
         self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank
         if self.skipped:
             self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
-        if self.estimate and self.delta is not None:
-            out = self.adamw.master.clone()
-            if not self.skipped:
-                self.adamw.estimate(grad, self.hyper, out)
-        elif self.estimate:
+        if self.estimate:
             out = self.adamw.master.to(self.target.dtype, copy=True)
             if not self.skipped:
                 self.adamw.estimate(grad, self.hyper, out)
@@ -182,7 +181,7 @@ class ShardedStepRound(StepRound):
             if self.after_update is not None:
                 self.after_update()
             # The master itself is gathered when the dtypes agree: no shard-sized copy.
-            out = self.adamw.master if self.delta is not None else self.adamw.master.to(self.target.dtype)
+            out = self.adamw.master.to(self.target.dtype)
         if self.delta is not None:
             # The change from what the model holds (not from the master: the two differ by the
             # previous change's rounding), computed in fp32 and rounded once.
