@@ -22,6 +22,9 @@ from typing import Any, Mapping, Optional
 
 SECTION = "lowcomm"
 COMM_DTYPES = ("auto", "fp32", "bf16")
+#: the spellings DeepSpeed accepts for ``data_types.grad_accum_dtype``, by the dtype they name
+GRAD_ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                     "fp16": "fp16", "float16": "fp16"}
 
 
 class LowCommConfigError(ValueError):
@@ -190,7 +193,7 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
     fp16 = ds.get("fp16")
     if _enabled(fp16) and fp16.get("fp16_master_weights_and_grads"):
         raise LowCommConfigError("fp16.fp16_master_weights_and_grads: ds_lowcomm keeps fp32 master "
-                                 "weights and gradient sums; remove the key")
+                                 "weights; remove the key")
     if _enabled(ds.get("amp")):
         raise LowCommConfigError("amp.enabled: apex AMP is not supported; use \"bf16\": {\"enabled\": true}")
     zero = ds.get("zero_optimization")
@@ -204,9 +207,11 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         if isinstance(off, Mapping) and off.get("device", "none") not in (None, "none"):
             raise LowCommConfigError(f"zero_optimization.{key}: offload is not supported; remove it")
     accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
-    if accum not in (None, "fp32", "float32"):
-        raise LowCommConfigError(f"data_types.grad_accum_dtype: got {accum!r}; ds_lowcomm always "
-                                 "accumulates gradients in fp32, remove the key or set \"fp32\"")
+    model = ("bf16" if _enabled(ds.get("bf16")) or _enabled(ds.get("bfloat16")) else
+             "fp16" if _enabled(fp16) else "fp32")
+    if accum is not None and GRAD_ACCUM_DTYPES.get(accum) not in ("fp32", model):
+        raise LowCommConfigError(f"data_types.grad_accum_dtype: got {accum!r}; gradients of this {model} model "
+                                 f"are summed in \"{model}\" (the default, as in stock DeepSpeed) or \"fp32\"")
     comm = ds.get("communication_data_type")
     if comm not in (None, "fp32", "bf16", "bfp16"):
         raise LowCommConfigError(f"communication_data_type: got {comm!r}; allowed: \"fp32\", \"bf16\"")

@@ -15,7 +15,8 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ds_lowcomm.checkpoint import Checkpointer
-from ds_lowcomm.config import SECTION, LowCommConfig, LowCommConfigError, check_adamw_hyperparameters
+from ds_lowcomm.config import (GRAD_ACCUM_DTYPES, SECTION, LowCommConfig, LowCommConfigError,
+                               check_adamw_hyperparameters)
 from ds_lowcomm.modes import MODES
 from ds_lowcomm.optimizer import LowCommOptimizer
 
@@ -32,6 +33,15 @@ def _comm_dtype(engine: DeepSpeedEngine, cfg: LowCommConfig) -> torch.dtype:
         ds = engine._config._param_dict.get("communication_data_type")
         name = {"bfp16": "bf16"}.get(ds, ds) or ("bf16" if engine.bfloat16_enabled() else "fp32")
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _grad_accum_dtype(engine: DeepSpeedEngine) -> torch.dtype:
+    """DeepSpeed's ``data_types.grad_accum_dtype``; by default the model's dtype, as in stock
+    DeepSpeed (``engine.get_data_types``, 0.19.8)."""
+    name = (engine._config._param_dict.get("data_types") or {}).get("grad_accum_dtype")
+    if name is None:
+        return torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[GRAD_ACCUM_DTYPES[name]]
 
 
 def _loss_scaler(engine: DeepSpeedEngine):
@@ -108,7 +118,7 @@ class LowCommEngine(DeepSpeedEngine):
         groups = _param_groups(self, client_optimizer, model_parameters)
         self.optimizer = self.basic_optimizer = LowCommOptimizer(
             groups, cfg, gradient_clipping=self.gradient_clipping(),
-            comm_dtype=_comm_dtype(self, cfg), param_names=names,
+            comm_dtype=_comm_dtype(self, cfg), grad_accum_dtype=_grad_accum_dtype(self), param_names=names,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             loss_scaler=_loss_scaler(self), modules=list(self.module.modules()))
         self.optimizer.on_step_taken = self._after_lowcomm_step

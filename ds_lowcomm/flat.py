@@ -128,13 +128,16 @@ class FlatParams:
 
 
 class GradAccumulator:
-    """fp32 gradient sums in a flat buffer laid out like :class:`FlatParams`.
+    """Gradient sums in a flat buffer laid out like :class:`FlatParams`, in ``dtype``.
 
-    fp32 parameters (``in_place``): each ``p.grad`` *is* the parameter's slice of the buffer, as
-    with DDP's ``gradient_as_bucket_view``, so autograd adds every micro-batch's gradient into the
-    sum in place and no per-parameter gradient is allocated, copied or freed (on CPU, freed ones
-    leave heap pages that must be trimmed and then faulted in again). Other dtypes: a
-    post-accumulate-grad hook adds ``p.grad`` into the buffer in fp32 and frees it.
+    ``dtype`` is DeepSpeed's ``data_types.grad_accum_dtype``: by default the parameters' dtype
+    (what stock DeepSpeed accumulates in), or fp32 for sums that do not round at every micro-batch.
+    When it is the parameters' dtype (``in_place``), each ``p.grad`` *is* the parameter's slice of
+    the buffer, as with DDP's ``gradient_as_bucket_view``, so autograd adds every micro-batch's
+    gradient into the sum in place and no per-parameter gradient is allocated, copied or freed (on
+    CPU, freed ones leave heap pages that must be trimmed and then faulted in again). Otherwise
+    (fp32 sums of a bf16/fp16 model) a post-accumulate-grad hook adds ``p.grad`` into the buffer
+    and frees it.
 
     The same hook keeps the sum whole when someone has set ``p.grad`` to None or to another
     tensor (DeepSpeed's ``engine.zero_grad``, a module's ``zero_grad()``): it adds what autograd
@@ -145,12 +148,16 @@ class GradAccumulator:
     thread, in the order backward produces them).
     """
 
-    def __init__(self, flat: FlatParams) -> None:
+    def __init__(self, flat: FlatParams, dtype: Optional[torch.dtype] = None) -> None:
+        dtype = dtype or flat.dtype
+        if dtype not in (torch.float32, flat.dtype):
+            raise ValueError(f"gradients of {flat.dtype} parameters are summed in fp32 or in {flat.dtype}, "
+                             f"not {dtype}")
         self.flat = flat
-        self.buffer = torch.zeros(flat.layout.padded, dtype=torch.float32, device=flat.device)
+        self.buffer = torch.zeros(flat.layout.padded, dtype=dtype, device=flat.device)
         self.micro_batches = 0
-        #: ``p.grad`` is the parameter's slice of the buffer (fp32 parameters)
-        self.in_place = flat.dtype == torch.float32
+        #: ``p.grad`` is the parameter's slice of the buffer (sums in the parameters' dtype)
+        self.in_place = dtype == flat.dtype
         self.on_final: Optional[Callable[[torch.Tensor], None]] = None
         self._slices = {id(p): flat.view(self.buffer, p) for p in flat.params}
         self.attach()

@@ -5,7 +5,8 @@ DeepSpeed runs at ZeRO stage 0 with its gradient all-reduce switched off
 is the only thing that moves gradients or parameters between ranks. It owns:
 
 - :class:`~ds_lowcomm.flat.FlatParams`: the parameters as views of one padded flat buffer;
-- :class:`~ds_lowcomm.flat.GradAccumulator`: fp32 gradient sums filled by post-accumulate hooks;
+- :class:`~ds_lowcomm.flat.GradAccumulator`: the gradient sums (``p.grad`` views of them, or
+  filled by post-accumulate hooks);
 - :class:`~ds_lowcomm.topology.Topology`: private shard / replica process groups;
 - :class:`~ds_lowcomm.worker.CommWorker` and :class:`~ds_lowcomm.comm.CommStats`;
 - the :class:`~ds_lowcomm.modes.Mode`, which owns the optimizer state and schedules rounds.
@@ -49,6 +50,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         config: the validated ``"lowcomm"`` section.
         gradient_clipping: global-norm clip applied after the reduction (0 = off).
         comm_dtype: dtype gradients are reduced in.
+        grad_accum_dtype: dtype micro-batch gradients are summed in (DeepSpeed's
+            ``data_types.grad_accum_dtype``): the parameters' (default) or fp32.
         gradient_accumulation_steps: micro-batches per optimizer step and rank (DeepSpeed divides
             each micro-batch's loss by it).
         param_names: for each parameter (by ``id``), every name it has in the module's state_dict.
@@ -67,7 +70,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def __init__(self, param_groups: Sequence[dict], config: LowCommConfig, *, gradient_clipping: float,
                  comm_dtype: torch.dtype, param_names: Dict[int, List[str]],
-                 gradient_accumulation_steps: int = 1, loss_scaler=None,
+                 grad_accum_dtype: Optional[torch.dtype] = None, gradient_accumulation_steps: int = 1, loss_scaler=None,
                  modules: Sequence[torch.nn.Module] = ()) -> None:
         super().__init__(list(param_groups), dict(ADAMW_DEFAULTS))
         self.config = config
@@ -80,10 +83,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.checkpoint_comm = self.topology.shard.counted_in(self.checkpoint_stats)
         self.flat = FlatParams(self.param_groups, self.topology.shard.world, self.topology.shard.rank)
         self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
-        self.grads = GradAccumulator(self.flat)
+        self.grads = GradAccumulator(self.flat, grad_accum_dtype)
         mode_cls = MODES[config.mode]
-        # On CPU the per-parameter gradients freed after each backward (parameters that are not
-        # fp32) would stay resident (see release_freed_heap). fp32 ones are never freed.
+        # On CPU the per-parameter gradients freed after each backward (fp32 sums of a bf16/fp16
+        # model) would stay resident (see release_freed_heap). In-place ones are never freed.
         self._trim_heap = self.flat.device.type == "cpu" and not self.grads.in_place
         self.worker = CommWorker(self.stats, self.flat.device,
                                  asynchronous=mode_cls.is_asynchronous(config.mode_options))
@@ -200,7 +203,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Leaves the gradient sums alone: they live in the accumulator, which the mode clears when
-        it takes a step. ``p.grad`` is the parameter's slice of it (fp32 parameters) or None, and
+        it takes a step. ``p.grad`` is the parameter's slice of it (sums in the parameters' dtype)
+        or None, and
         ``set_to_none`` is ignored."""
         self.grads.attach()
 

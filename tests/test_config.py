@@ -108,7 +108,10 @@ BAD = [
     (_set(("optimizer", "params", "eps"), float("nan")), "optimizer.params.eps", ">= 0"),
     (_set(("optimizer", "params", "weight_decay"), "0.1"), "optimizer.params.weight_decay", ">= 0"),
     (_set(("optimizer", "params", "weight_decay"), -0.1), "optimizer.params.weight_decay", ">= 0"),
-    (_set(("data_types",), {"grad_accum_dtype": "bf16"}), "data_types.grad_accum_dtype", "fp32"),
+    (_set(("data_types",), {"grad_accum_dtype": "bf16"}), "data_types.grad_accum_dtype", "fp32 model"),
+    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp16"}),
+     "data_types.grad_accum_dtype", "\"bf16\" (the default, as in stock DeepSpeed) or \"fp32\""),
+    (_set(("data_types",), {"grad_accum_dtype": "fp64"}), "data_types.grad_accum_dtype", "got 'fp64'"),
     (_set(("communication_data_type",), "fp16"), "communication_data_type", "allowed"),
     (_set(("amp",), {"enabled": True}), "amp.enabled", "bf16"),
     (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
@@ -137,6 +140,10 @@ def test_good_config_defaults():
                                 collective_timeout_s=300.0, mode_options=cfg.mode_options)
     assert parse(variant(_set(("lowcomm", "collective_timeout_s"), 5))).collective_timeout_s == 5.0
     assert parse(variant(_set(("lowcomm", "comm_dtype"), "bf16"))).comm_dtype == "bf16"
+    # DeepSpeed's spellings of the gradient sums' dtype: the model's or fp32.
+    for model, accum in (({}, "fp32"), ({"bf16": {"enabled": True}}, "bfloat16"),
+                         ({"bf16": {"enabled": True}}, "fp32"), ({"fp16": {"enabled": True}}, "fp16")):
+        parse(variant(lambda c: c.update(model, data_types={"grad_accum_dtype": accum})))
 
 
 @pytest.mark.parametrize("mode", ["zero1", "acco", "demo", "desloc"])

@@ -35,25 +35,31 @@ def test_mixed_parameter_dtypes_are_refused():
         FlatParams([{"params": params}], world=1, rank=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grad_accumulator_sums_micro_batches_whoever_resets_p_grad(dtype):
-    """The fp32 sums equal the gradients autograd gives an independent copy of the parameters,
-    added up in fp32, even when someone sets ``p.grad`` to None between micro-batches (a module's
-    ``zero_grad()``). fp32 parameters' ``p.grad`` is their slice of the buffer: autograd adds into
-    the sum in place, no per-parameter gradient is kept."""
+@pytest.mark.parametrize("dtype,accum", [(torch.float32, None), (torch.bfloat16, None),
+                                         (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "bf16-fp32-sums"])
+def test_grad_accumulator_sums_micro_batches_whoever_resets_p_grad(dtype, accum):
+    """The sums equal the gradients autograd gives an independent copy of the parameters, added
+    up micro-batch by micro-batch in the sums' dtype (by default the parameters', as stock
+    DeepSpeed sums them), even when someone sets ``p.grad`` to None between micro-batches (a
+    module's ``zero_grad()``). Sums in the parameters' dtype are ``p.grad`` itself, the
+    parameter's slice of the buffer: autograd adds into them in place, nothing else is kept.
+    fp32 sums of bf16 parameters are added by the hook, which frees ``p.grad``."""
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(p.shape).to(dtype)) for p in _params()]
     params = [torch.nn.Parameter(r.detach().clone()) for r in ref]
     flat = FlatParams([{"params": params}], world=2, rank=0)
-    acc = GradAccumulator(flat)
-    want = torch.zeros(flat.layout.numel, dtype=torch.float64)
+    acc = GradAccumulator(flat, accum)
+    sums = accum or dtype
+    assert acc.buffer.dtype == sums
+    want = torch.zeros(flat.layout.numel, dtype=sums)
     for micro in range(3):
         x = torch.randn(4, dtype=torch.float64)
         loss_of = lambda ps: sum((p.to(torch.float64).sum() * x[i]) ** 2 for i, p in enumerate(ps))  # noqa: E731
         grads = torch.autograd.grad(loss_of(ref), ref)
-        want += torch.cat([g.to(torch.float64).flatten() for g in grads])
+        want += torch.cat([g.flatten() for g in grads]).to(sums)
         loss_of(params).backward()
-        if dtype == torch.float32:
+        if sums == dtype:
             assert all(p.grad.untyped_storage().data_ptr() == acc.buffer.untyped_storage().data_ptr()
                        for p in params)
         else:
@@ -61,6 +67,11 @@ def test_grad_accumulator_sums_micro_batches_whoever_resets_p_grad(dtype):
         if micro == 1:
             for p in params:
                 p.grad = None
-    got = acc.buffer[: flat.layout.numel].to(torch.float64)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(acc.buffer[: flat.layout.numel], want)
     assert acc.buffer[flat.layout.numel:].abs().sum() == 0  # padding stays zero
+
+
+def test_grad_accumulator_refuses_a_third_dtype():
+    flat = FlatParams([{"params": [p.to(torch.bfloat16) for p in _params()]}], world=1, rank=0)
+    with pytest.raises(ValueError, match="summed in fp32 or in torch.bfloat16"):
+        GradAccumulator(flat, torch.float16)

@@ -31,10 +31,13 @@ def _stock_then_zero1(rank, world, bf16):
                 param_bytes=opt.flat.buffer.element_size(), comm_bytes=opt.comm_dtype.itemsize)
 
 
-def _zero1_with_and_without_overlap(rank, world, bf16, save_dir):
+def _zero1_with_and_without_overlap(rank, world, bf16, accum, save_dir):
     out = {}
     for overlap in (False, True):
-        engine = workers.build_engine(workers.config("zero1", bf16=bf16, zero1={"overlap": overlap}))
+        cfg = workers.config("zero1", bf16=bf16, zero1={"overlap": overlap})
+        if accum is not None:
+            cfg["data_types"] = {"grad_accum_dtype": accum}
+        engine = workers.build_engine(cfg)
         # No digest between steps: reading the parameters would wait for their all-gather,
         # which the next forward is meant to wait for, bucket by bucket. Equal losses at every
         # micro-batch show the forward saw the same parameters; the digest after the save (which
@@ -50,7 +53,7 @@ def _zero1_with_and_without_overlap(rank, world, bf16, save_dir):
         grads = ["sum" if p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer
                  else p.grad for p in engine.module.parameters()]
         out[overlap] = dict(losses=losses, digests=digests, stats=engine.comm_stats(), grads=grads,
-                            in_flight=in_flight, waited=waited)
+                            in_flight=in_flight, waited=waited, sums=str(engine.optimizer.grads.buffer.dtype))
         engine.destroy()
     return out
 
@@ -85,14 +88,17 @@ def _reentrant_twice(rank, world):
     return None
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_zero1_overlap_is_zero1_bit_for_bit(bf16, tmp_path):
+@pytest.mark.parametrize("bf16,accum", [(False, None), (True, None), (True, "fp32")],
+                         ids=["fp32", "bf16", "bf16-fp32-sums"])
+def test_zero1_overlap_is_zero1_bit_for_bit(bf16, accum, tmp_path):
     """The reduce-scatter sent bucket by bucket from the gradient hooks during the last backward
     pass trains exactly as the reduce-scatter after it: the same losses and parameters at every
     step, the same bytes; and most buckets did leave before the backward pass ended. The
     parameters' all-gather, bucket by bucket behind the next forward, lands the same values, and
-    the forward waited for most buckets itself (module by module)."""
-    for r in run_ranks(_zero1_with_and_without_overlap, 2, bf16, str(tmp_path)):
+    the forward waited for most buckets itself (module by module). Gradients are summed in the
+    model's dtype, as in stock DeepSpeed, unless ``data_types.grad_accum_dtype`` says fp32."""
+    in_place = accum is None
+    for r in run_ranks(_zero1_with_and_without_overlap, 2, bf16, accum, str(tmp_path)):
         sync, over = r[False], r[True]
         # The step returned with the all-gather in flight; save_checkpoint waited for it.
         assert over["in_flight"] and over["waited"]
@@ -103,9 +109,11 @@ def test_zero1_overlap_is_zero1_bit_for_bit(bf16, tmp_path):
         assert over["stats"]["grad_buckets"] >= 8
         assert over["stats"]["grad_buckets_overlapped"] > 0.5
         assert over["stats"]["param_buckets_overlapped"] > 0.5
-        # fp32: every p.grad is its slice of the fp32 sums, across steps; bf16: no p.grad kept.
+        # Sums in the model's dtype: every p.grad is its slice of them, across steps. fp32 sums
+        # of a bf16 model: no p.grad kept (the hook adds it into the sums and frees it).
         for run in (sync, over):
-            assert run["grads"] == (["sum"] * len(run["grads"]) if not bf16 else [None] * len(run["grads"]))
+            assert run["sums"] == ("torch.bfloat16" if bf16 and in_place else "torch.float32")
+            assert run["grads"] == ["sum" if in_place else None] * len(run["grads"])
     # The weights DeepSpeed saved are the synchronous run's, bit for bit.
     saved = {overlap: torch.load(next((tmp_path / str(overlap)).rglob("mp_rank_00_model_states.pt")),
                                  weights_only=True)["module"] for overlap in (False, True)}
