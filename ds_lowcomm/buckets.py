@@ -30,6 +30,7 @@ import torch
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.flat import ALIGN
 from ds_lowcomm.round import Round
+from ds_lowcomm.sharded_step import all_finite
 from ds_lowcomm.worker import Ticket
 
 #: the largest bucket, in bytes of fp32 gradient (DDP's default bucket_cap_mb)
@@ -46,16 +47,23 @@ def _bucket_size(padded: int, copies: int = 1) -> int:
 
 
 class BucketRound(Round):
-    """The reduce-scatter of one bucket ``[start, end)`` of the gradient sums into ``out``."""
+    """The reduce-scatter of one bucket ``[start, end)`` of the gradient sums into ``buckets.out``."""
 
-    def __init__(self, ctx: ModeContext, out: torch.Tensor, start: int, end: int) -> None:
-        self.ctx, self.out, self.start, self.end = ctx, out, start, end
+    def __init__(self, buckets: "GradBuckets", start: int, end: int) -> None:
+        self.buckets, self.ctx, self.start, self.end = buckets, buckets.ctx, start, end
 
     def pack(self) -> None:
         """Nothing to capture: the range's sums are final and nobody writes them before the step."""
 
     def run(self) -> None:
-        self.ctx.topology.shard.reduce_scatter_range(self.out, self.ctx.grads.buffer, self.start, self.end,
+        sums, layout = self.ctx.grads.buffer, self.ctx.flat.layout
+        if self.buckets.own_finite is not None:
+            # Reduced in place (2-byte sums): first note whether this rank's own part of the
+            # range was finite, for the log of a skip.
+            lo, hi = max(self.start, layout.shard_start), min(self.end, layout.shard_start + layout.shard_size)
+            if lo < hi and not all_finite(sums[lo:hi]):
+                self.buckets.own_finite = False
+        self.ctx.topology.shard.reduce_scatter_range(self.buckets.out, sums, self.start, self.end,
                                                      wire_dtype=self.ctx.comm_dtype)
 
     def install(self) -> None:
@@ -63,14 +71,18 @@ class BucketRound(Round):
 
 
 class GradBuckets:
-    """Reduce-scatters the gradient sums into :attr:`out` (this rank's fp32 shard, allocated at
-    :meth:`arm`) bucket by bucket, from the hooks of the backward pass between :meth:`arm` and
-    :meth:`finish`. Needs an asynchronous :class:`~ds_lowcomm.worker.CommWorker` (rounds in
-    submission order)."""
+    """Reduce-scatters the gradient sums into :attr:`out` bucket by bucket, from the hooks of the
+    backward pass between :meth:`arm` and :meth:`finish`: this rank's fp32 shard, allocated at
+    :meth:`arm`, or with 2-byte sums this rank's own part of them, reduced in place as the step's
+    round would (:class:`~ds_lowcomm.sharded_step.ShardedStepRound`). Needs an asynchronous
+    :class:`~ds_lowcomm.worker.CommWorker` (rounds in submission order)."""
 
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
         self.out: Optional[torch.Tensor] = None
+        #: with 2-byte sums, reduced in place: whether this rank's own part of them was finite
+        #: before (None with fp32 sums)
+        self.own_finite: Optional[bool] = None
         flat = ctx.flat
         padded = flat.layout.padded
         size = _bucket_size(padded)
@@ -96,7 +108,11 @@ class GradBuckets:
 
     def arm(self) -> None:
         """Before the backward pass that ends an accumulation: watch its hooks."""
-        self.out = self.ctx.grads.buffer.new_empty(self.ctx.flat.layout.shard_size, dtype=torch.float32)
+        sums = self.ctx.grads.buffer
+        if sums.dtype == torch.float32:
+            self.out, self.own_finite = sums.new_empty(self.ctx.flat.layout.shard_size), None
+        else:
+            self.out, self.own_finite = self.ctx.flat.layout.shard(sums), True
         self._pending = list(self._params_in)
         self._final = set()
         self._next = 0
@@ -130,7 +146,7 @@ class GradBuckets:
         """Submit, in number order, the buckets whose sums are final (all of them once disarmed)."""
         while self._next < len(self.ranges) and (not self._armed or self._pending[self._next] == 0):
             start, end = self.ranges[self._next]
-            rnd = BucketRound(self.ctx, self.out, start, end)
+            rnd = BucketRound(self, start, end)
             rnd.pack()
             self.tickets.append(self.ctx.worker.submit(rnd))
             self._next += 1

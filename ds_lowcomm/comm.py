@@ -25,10 +25,28 @@ import torch.distributed as dist
 # torch 2.13 deprecates the *_tensor spellings in favour of the *_single ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-#: bytes of each temporary of the chunked gloo collectives and the norm. glibc serves 32 MiB and
-#: more with mmap whatever its dynamic threshold, so each chunk goes back to the OS when freed and
-#: never pins the heap (a persistent or smaller scratch buffer grows RSS by fragmentation).
-CHUNK_BYTES = 32 << 20
+#: bytes of each chunk of the chunked gloo collectives, the norm and the step of 2-byte gradients:
+#: what their transients hold at once
+CHUNK_BYTES = 8 << 20
+#: glibc's largest dynamic mmap threshold (64-bit): a block at least this large is always
+#: mmap-served and unmapped when freed, whatever the threshold has become
+MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def temporary(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised 1-D scratch tensor of ``numel`` elements for a step's transient work.
+
+    On CPU it is cut from an allocation of at least ``MMAP_THRESHOLD_MAX``: glibc raises its
+    dynamic mmap threshold to the size of any mmap-served block freed below that, after which
+    every allocation under that size (the next forward's activations) comes from the heap and
+    stays resident when freed (RSS grew by tens of MB a step on the checkpoint bench's model).
+    A larger block never moves the threshold, and the pages a short temporary leaves untouched
+    are never resident. Elsewhere (CUDA's caching allocator) a plain ``torch.empty``.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return torch.empty(max(numel, -(-MMAP_THRESHOLD_MAX // elem)), dtype=dtype, device=device)[:numel]
 
 
 def wire_bytes(op: str, nbytes: int, world: int) -> Tuple[float, float]:
@@ -155,13 +173,14 @@ class Collectives:
         copy of ``inp``, its exchanged copy and a shard-sized sum; the same bytes."""
         rows = inp.view(self.world, -1)
         step = max(1, CHUNK_BYTES // (self.world * torch.empty((), dtype=wire_dtype).element_size()))
+        send_buf = temporary(self.world * min(step, rows.shape[1]), wire_dtype, inp.device)
+        recv_buf = temporary(send_buf.numel(), wire_dtype, inp.device)
         for a in range(0, rows.shape[1], step):
-            send = rows[:, a:a + step].to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
-            recv = torch.empty_like(send)
+            part = rows[:, a:a + step]
+            send = send_buf[:part.numel()].view(part.shape).copy_(part)
+            recv = recv_buf[:part.numel()].view(part.shape)
             dist.all_to_all_single(recv, send, group=group)
-            del send
             _sum_rows(recv, out[a:a + recv.shape[1]])
-            del recv
 
     def reduce_scatter_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int,
                              wire_dtype: Optional[torch.dtype] = None) -> None:
@@ -177,8 +196,8 @@ class Collectives:
         size, w, me = inp.numel() // self.world, self.world, self.rank
         splits = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(w)]
         mine = splits[me]
-        send = inp[start:end].to(wire_dtype, copy=True)
-        recv = send.new_empty(w * mine)
+        send = temporary(end - start, wire_dtype, inp.device).copy_(inp[start:end])
+        recv = temporary(w * mine, wire_dtype, inp.device)
         elem = send.element_size()
         sent, received = (end - start - mine) * elem, (w - 1) * mine * elem
         t0 = time.perf_counter()
@@ -214,24 +233,29 @@ class Collectives:
         self.stats.record(f"{self.name}.all_gather", sent, received, time.perf_counter() - t0)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Concatenate every rank's ``inp`` into ``out`` (W × inp). Cost: (W-1)/W · out bytes."""
+        """Concatenate every rank's ``inp``, in ``out``'s dtype, into ``out`` (W × inp). Cost:
+        (W-1)/W · out bytes."""
         nbytes = out.numel() * out.element_size()
         if not self.reduce_scatter_by_all_to_all:
-            self._run("all_gather", nbytes, _all_gather, out, inp)
+            self._run("all_gather", nbytes, _all_gather, out, inp.to(out.dtype))
             return
         self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp)
 
     def _all_gather_by_chunks(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
         """gloo stages an all-gather's whole output in a temporary (4 bytes per parameter in
-        fp32): gather chunk by chunk instead, CHUNK_BYTES at a time; the same bytes."""
+        fp32): gather chunk by chunk instead, CHUNK_BYTES at a time, converting ``inp`` to
+        ``out``'s dtype chunk by chunk; the same bytes."""
         rows = out.view(self.world, -1)
         step = max(1, CHUNK_BYTES // (self.world * out.element_size()))
+        stage_buf = temporary(self.world * min(step, inp.numel()), out.dtype, out.device)
+        part_buf = temporary(min(step, inp.numel()), out.dtype, out.device) if inp.dtype != out.dtype else None
         for a in range(0, inp.numel(), step):
             part = inp[a:a + step]
-            stage = out.new_empty(self.world * part.numel())
+            if part_buf is not None:
+                part = part_buf[:part.numel()].copy_(part)
+            stage = stage_buf[:self.world * part.numel()]
             _all_gather(stage, part, group=group)
             rows[:, a:a + part.numel()].copy_(stage.view(self.world, -1))
-            del stage
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum ``t`` in place over the group. Cost: 2(W-1)/W · t bytes."""
@@ -250,7 +274,9 @@ def _sum_rows(rows: torch.Tensor, dst: torch.Tensor) -> None:
     if dst.dtype == torch.float32:
         torch.sum(rows, 0, dtype=torch.float32, out=dst)
     else:
-        dst.copy_(rows.sum(0, dtype=torch.float32))
+        total = temporary(rows.shape[1], torch.float32, rows.device)
+        torch.sum(rows, 0, dtype=torch.float32, out=total)
+        dst.copy_(total)
 
 
 def deepspeed_logged_bytes(comms_dict: dict, world: int) -> Tuple[float, float]:

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch.optim.adam import adam as _adam_kernel
 
+from ds_lowcomm.comm import CHUNK_BYTES, temporary
 from ds_lowcomm.flat import Segment, ShardLayout
 
 
@@ -20,7 +21,8 @@ class ShardAdamW:
     """fp32 master weights and AdamW moments for this rank's shard.
 
     State: ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32, ``layout.shard_size`` each) and ``step``
-    (number of updates applied). 16 bytes per shard element with the gradient shard.
+    (number of updates applied): 12 bytes per shard element, 16 with an fp32 gradient shard (a
+    2-byte gradient is read in place, chunk by chunk).
     """
 
     def __init__(self, layout: ShardLayout, initial_params: torch.Tensor) -> None:
@@ -32,32 +34,46 @@ class ShardAdamW:
         self.step_count = 0
         self._fused = self.master.device.type in ("cuda", "cpu")
 
-    def step(self, grad: torch.Tensor, param_groups: Sequence[dict]) -> None:
-        """One AdamW update of the shard in place, from the fp32 shard gradient ``grad``."""
+    def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0,
+             chunk: int = CHUNK_BYTES // 4) -> None:
+        """One AdamW update of the shard in place, from the shard gradient ``factor · grad``.
+
+        An fp32 ``grad`` (``factor`` 1) is read as it is; a 2-byte one (the reduced sums kept in
+        place) is converted to fp32 and scaled ``chunk`` elements at a time, so the update never
+        holds an fp32 copy of the whole shard. AdamW is elementwise: the result is the same.
+        """
+        if grad.dtype == torch.float32 and factor != 1.0:
+            raise ValueError("scale an fp32 gradient in place before the step")
         step = self.step_count
+        lowp = grad.dtype != torch.float32
+        scratch = temporary(min(chunk, grad.numel()), torch.float32, grad.device) if lowp else None
         for seg in self.segments:
             hp = param_groups[seg.group]
             beta1, beta2 = hp["betas"]
-            sl = slice(seg.start, seg.end)
-            # The kernel increments the step tensor before bias correction, as torch.optim does.
-            _adam_kernel([self.master[sl]], [grad[sl]], [self.exp_avg[sl]], [self.exp_avg_sq[sl]], [],
-                         [torch.tensor(float(step), device=self.master.device)],
-                         fused=self._fused, decoupled_weight_decay=True, amsgrad=False,
-                         beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
-                         eps=hp["eps"], maximize=False)
+            size = chunk if lowp else seg.end - seg.start
+            for a in range(seg.start, seg.end, size):
+                sl = slice(a, min(a + size, seg.end))
+                g = scratch[:sl.stop - a].copy_(grad[sl]).mul_(factor) if lowp else grad[sl]
+                # The kernel increments the step tensor before bias correction, as torch.optim does.
+                _adam_kernel([self.master[sl]], [g], [self.exp_avg[sl]], [self.exp_avg_sq[sl]], [],
+                             [torch.tensor(float(step), device=self.master.device)],
+                             fused=self._fused, decoupled_weight_decay=True, amsgrad=False,
+                             beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
+                             eps=hp["eps"], maximize=False)
         self.step_count = step + 1
 
     @torch.no_grad()
     def estimate(self, grad: torch.Tensor, param_groups: Sequence[dict], out: torch.Tensor,
-                 chunk: int = 1 << 20) -> None:
-        """Write the parameters one AdamW step from ``grad`` would give into ``out``, touching
-        nothing: master, moments and step count are left bit-for-bit as they were.
+                 factor: float = 1.0, chunk: int = 1 << 20) -> None:
+        """Write the parameters one AdamW step from ``factor · grad`` would give into ``out``,
+        touching nothing: master, moments and step count are left bit-for-bit as they were.
 
         ACCO's estimate round (arXiv 2406.02613): same lr, step index, moments and weight decay as
         the real step that follows, only the gradient differs. Computed chunk by chunk, so it needs
         a few chunk-sized temporaries instead of a 12-bytes-per-element snapshot of the state.
         """
         step = self.step_count + 1
+        scratch = temporary(min(chunk, grad.numel()), torch.float32, grad.device)
         for seg in self.segments:
             hp = param_groups[seg.group]
             beta1, beta2 = hp["betas"]
@@ -65,7 +81,7 @@ class ShardAdamW:
             bc1, bc2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
             for a in range(seg.start, seg.end, chunk):
                 sl = slice(a, min(a + chunk, seg.end))
-                g = grad[sl]
+                g = grad[sl] if grad.dtype == torch.float32 and factor == 1.0 else scratch[:sl.stop - a].copy_(grad[sl]).mul_(factor)
                 m = self.exp_avg[sl].mul(beta1).add_(g, alpha=1 - beta1)
                 v = self.exp_avg_sq[sl].mul(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = v.sqrt_().div_(bc2_sqrt).add_(eps)

@@ -10,7 +10,9 @@ Communication, over the shard group of W ranks, for P padded elements::
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
                     (or their change from the model's, into ``delta``: its dtype's bytes)
 
-The reduce-scatter travels in ``wire_dtype`` (default comm_dtype).
+The reduce-scatter travels in ``wire_dtype`` (default comm_dtype). 2-byte gradient sums (a
+bf16/fp16 model's, DeepSpeed's default ``grad_accum_dtype``) are reduced into this rank's own part
+of them, and AdamW reads them from there chunk by chunk: no fp32 gradient shard.
 
 The non-finite guard rides on the norm all-reduce: a NaN or inf anywhere in the reduced gradient
 makes the global norm non-finite on every rank at once, so every rank reaches the same verdict and
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
-from ds_lowcomm.comm import CHUNK_BYTES
+from ds_lowcomm.comm import CHUNK_BYTES, temporary
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.round import StepRound
 from ds_lowcomm.shard_adamw import ShardAdamW
@@ -33,30 +35,47 @@ from ds_lowcomm.shard_adamw import ShardAdamW
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
-def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
-    """The global L2 norm of the gradient shards ``grad`` over ``comm`` (one 4-byte all-reduce),
-    clipping ``grad`` in place to ``clip`` when positive; returns the norm before clipping."""
+def global_norm(comm, grad: torch.Tensor, factor: float = 1.0) -> float:
+    """The global L2 norm of ``factor`` times the gradient shards ``grad`` over ``comm`` (one
+    4-byte all-reduce); ``grad`` is left as it is."""
     # float64 chunk by chunk: grad.double().square() held two float64 copies of the shard at once
     # (16 bytes per shard element).
     norm_sq = torch.zeros((), dtype=torch.float64, device=grad.device)
+    scratch = temporary(min(grad.numel(), CHUNK_BYTES // 8), torch.float64, grad.device)
     for part in grad.split(CHUNK_BYTES // 8):
-        norm_sq += part.double().square_().sum()
+        x = scratch[:part.numel()].copy_(part)
+        if factor != 1.0:
+            x.mul_(factor)
+        norm_sq += x.square_().sum()
     norm_sq = norm_sq.float().reshape(1)
     comm.all_reduce(norm_sq)
-    norm = math.sqrt(norm_sq.item())
+    return math.sqrt(norm_sq.item())
+
+
+def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
+    """The global L2 norm of the gradient shards ``grad`` over ``comm`` (one 4-byte all-reduce),
+    clipping ``grad`` in place to ``clip`` when positive; returns the norm before clipping."""
+    norm = global_norm(comm, grad)
     scale = clip_scale(norm, clip)
     if scale != 1.0:
         grad.mul_(scale)
     return norm
 
 
-def nonfinite_ranks(comm, local: torch.Tensor) -> List[int]:
-    """The global ranks of ``comm`` whose own ``local`` tensor holds a NaN or inf (one W-element
-    all-reduce; collective: call it on every rank of ``comm``, e.g. after a non-finite norm)."""
-    flags = torch.zeros(comm.world, dtype=torch.float32, device=local.device)
-    flags[comm.rank] = 0.0 if bool(torch.isfinite(local).all()) else 1.0
+def nonfinite_ranks(comm, finite: bool, device: torch.device) -> List[int]:
+    """The global ranks of ``comm`` whose own gradient sums were not all ``finite`` (one W-element
+    all-reduce of a tensor on ``device``; collective: call it on every rank of ``comm``, e.g.
+    after a non-finite norm)."""
+    flags = torch.zeros(comm.world, dtype=torch.float32, device=device)
+    flags[comm.rank] = 0.0 if finite else 1.0
     comm.all_reduce(flags)
     return [comm.ranks[i] for i, bad in enumerate(flags.tolist()) if bad]
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """No NaN or inf in any of ``tensors``: their float64 sums are finite (a sum of finite
+    fp32/bf16/fp16 values cannot overflow float64, and a reduction allocates nothing)."""
+    return all(math.isfinite(float(t.sum(dtype=torch.float64))) for t in tensors if t.numel())
 
 
 def clip_scale(norm: float, clip: float) -> float:
@@ -98,9 +117,13 @@ class ShardedStepRound(StepRound):
         after_update: called in a real round after the update, or after its skip, and before the
             all-gather (DES-LOC averages the replicas' states there, so the all-gather spreads
             the average).
-        reduced: this rank's shard of the reduced ``grads``, already reduce-scattered (fp32,
-            loss-scaled, unscaled by ``scale``): the round starts at the norm (``zero1`` with
-            overlap, :class:`~ds_lowcomm.buckets.GradBuckets`). Modified in place.
+        reduced: this rank's shard of the reduced ``grads``, already reduce-scattered
+            (loss-scaled, unscaled by ``scale``): the round starts at the norm (``zero1`` with
+            overlap, :class:`~ds_lowcomm.buckets.GradBuckets`). fp32 (modified in place), or, for
+            2-byte ``grads``, this rank's own part of them, reduced in place.
+        own_finite: with a ``reduced`` that is this rank's own part of ``grads`` reduced in
+            place: whether that part was finite before (which ranks' sums were not, for the log
+            of a skip).
         gather: all-gather the new parameters into ``target`` at the end of :meth:`run`; when
             False, this rank's shard of them is left in :attr:`out` for the caller to gather
             (``zero1`` with overlap, :class:`~ds_lowcomm.buckets.ParamBuckets`).
@@ -115,7 +138,8 @@ class ShardedStepRound(StepRound):
                  estimate: bool = False, wire_dtype: Optional[torch.dtype] = None,
                  delta: Optional[torch.Tensor] = None,
                  after_update: Optional[Callable[[], None]] = None,
-                 reduced: Optional[torch.Tensor] = None, gather: bool = True) -> None:
+                 reduced: Optional[torch.Tensor] = None, own_finite: Optional[bool] = None,
+                 gather: bool = True) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
         if local_pace is not None and local_count is None:
@@ -131,8 +155,10 @@ class ShardedStepRound(StepRound):
         self.local_pace = local_pace
         self.after_update = after_update
         self.reduced = reduced
+        self.own_finite = own_finite
         self.gather = gather
-        #: after :meth:`run`: this rank's shard of the new parameters, in ``target``'s dtype
+        #: after :meth:`run`: this rank's shard of the new parameters (in ``target``'s dtype
+        #: when ``gather`` is False; with ``delta``, their change in its dtype)
         self.out: Optional[torch.Tensor] = None
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
@@ -162,26 +188,47 @@ class ShardedStepRound(StepRound):
             if paced:
                 self.rank_paces = values[comm.world:]
             scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
-        grad = self.reduced
-        if grad is None:
+        grad, own_finite = self.reduced, self.own_finite
+        if grad is None and self.grads.dtype == torch.float32:
             grad = self.grads.new_empty(layout.shard_size, dtype=torch.float32)
             comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
-        grad.mul_(scale / self.loss_scale)
-        self.grad_norm = clip_by_global_norm(comm, grad, self.ctx.gradient_clipping)
+        elif grad is None:
+            # 2-byte sums are reduced into this rank's own part of them, as stock DeepSpeed reduces
+            # its bf16/fp16 gradients (each chunk is copied out before its sum lands there): no
+            # fp32 shard beside the sums (4/W bytes per parameter), the sum rounded once to 2 bytes.
+            grad = layout.shard(self.grads)
+            own_finite = all_finite(grad)
+            comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
+        factor = scale / self.loss_scale
+        if grad.dtype == torch.float32:  # scaled and clipped in place
+            grad.mul_(factor)
+            self.grad_norm = clip_by_global_norm(comm, grad, self.ctx.gradient_clipping)
+            factor = 1.0
+        else:  # 2-byte: scaled and clipped chunk by chunk as AdamW reads it
+            self.grad_norm = global_norm(comm, grad, factor)
+            factor *= clip_scale(self.grad_norm, self.ctx.gradient_clipping)
         self.skipped = not math.isfinite(self.grad_norm)  # the same verdict on every rank
         if self.skipped:
-            self.nonfinite_ranks = nonfinite_ranks(comm, self.grads)
+            if own_finite is None:
+                finite = all_finite(self.grads)
+            else:  # this rank's own part now holds the reduced sums: the rest, and what it held
+                lo, hi = layout.shard_start, layout.shard_start + layout.shard_size
+                finite = own_finite and all_finite(self.grads[:lo], self.grads[hi:])
+            self.nonfinite_ranks = nonfinite_ranks(comm, finite, self.grads.device)
         if self.estimate:
             out = self.adamw.master.to(self.target.dtype, copy=True)
             if not self.skipped:
-                self.adamw.estimate(grad, self.hyper, out)
+                self.adamw.estimate(grad, self.hyper, out, factor)
         else:
             if not self.skipped:
-                self.adamw.step(grad, self.hyper)
+                self.adamw.step(grad, self.hyper, factor)
             if self.after_update is not None:
                 self.after_update()
-            # The master itself is gathered when the dtypes agree: no shard-sized copy.
-            out = self.adamw.master.to(self.target.dtype)
+            # The master itself: the all-gather converts it chunk by chunk (no shard-sized copy);
+            # a caller that gathers it (zero1's overlap) gets it in the model's dtype.
+            out = self.adamw.master
+            if not self.gather and self.delta is None:
+                out = out.to(self.target.dtype)
         if self.delta is not None:
             # The change from what the model holds (not from the master: the two differ by the
             # previous change's rounding), computed in fp32 and rounded once.

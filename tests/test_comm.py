@@ -40,6 +40,17 @@ def _collectives(rank, world, chunk_bytes):
             c.reduce_scatter_range(got, _inputs(rank), 0, WORLD * SHARD, wire_dtype=wire)  # one range
             out[f"rs_range_{wire}"] = got
             out[f"rs_range_bytes_{wire}"] = (op.bytes_sent - before[0], op.bytes_received - before[1])
+        # 2-byte sums reduced into this rank's own part of them (ShardedStepRound, GradBuckets):
+        # whole, and range by range in backward order.
+        for ranged in (False, True):
+            sums = _inputs(rank).bfloat16()
+            own = sums[rank * SHARD:(rank + 1) * SHARD]
+            if ranged:
+                for start, end in reversed(list(zip(cuts, cuts[1:]))):
+                    c.reduce_scatter_range(own, sums, start, end)
+            else:
+                c.reduce_scatter(own, sums)
+            out[f"rs_in_place_{ranged}"] = own.clone()
         gathered = torch.empty(WORLD * SHARD)
         c.all_gather(gathered, _inputs(rank)[:SHARD])
         out["ag"] = gathered
@@ -74,6 +85,9 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         assert torch.equal(res["rs_torch.bfloat16"], want_bf16)
         assert torch.equal(res["rs_range_torch.float32"], want)
         assert torch.equal(res["rs_range_torch.bfloat16"], want_bf16)
+        # In place: the same fp32 sum of the bf16 values, rounded once to bf16.
+        assert torch.equal(res["rs_in_place_False"], want_bf16.bfloat16())
+        assert torch.equal(res["rs_in_place_True"], want_bf16.bfloat16())
         # Ranges tiling the input cost what one reduce-scatter costs (two tilings here).
         for wire, size in ((torch.float32, 4), (torch.bfloat16, 2)):
             assert res[f"rs_range_bytes_{wire}"] == pytest.approx((2 * (WORLD - 1) * SHARD * size,) * 2)
@@ -85,6 +99,8 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
             assert res[f"ag_range_bytes_{dtype}"] == pytest.approx(((WORLD - 1) * SHARD * size,) * 2)
         # Counted once per collective, at the ring formula's bytes: (W-1)/W of the full tensor.
         calls, sent = res["ops"]["shard.reduce_scatter"]
-        assert calls == 2 + 2 * 6 and sent == pytest.approx(3 * (WORLD - 1) / WORLD * WORLD * SHARD * (4 + 2))
+        # (three times each wire dtype, plus the two in-place bf16 tilings)
+        assert calls == 2 + 2 * 6 + 1 + 5
+        assert sent == pytest.approx((WORLD - 1) * SHARD * (3 * (4 + 2) + 2 * 2))
         calls, sent = res["ops"]["shard.all_gather"]
         assert calls == 1 + 2 * 5 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 4 + 2))

@@ -92,6 +92,23 @@ def _diverges(rank, mode, **lowcomm):
     return {"error": None}
 
 
+def _diverges_in_own_shard(rank, mode, **lowcomm):
+    """bf16 sums, reduced in place: from step 1 on only rank 1's gradient of the last parameter
+    (in rank 1's own shard of the sums) is NaN. The run stops at step 3 naming rank 1, whose own
+    part of the sums already held the reduced values when the verdict came."""
+    engine = workers.build_engine(workers.config(mode, bf16=True, max_consecutive_skips=3, **lowcomm))
+    last = list(engine.module.parameters())[-1]
+    try:
+        for step in range(STEPS):
+            hook = last.register_hook(lambda g: g * NAN) if rank == 1 and step >= 1 else None
+            workers.train(engine, 1, start=step, rank=rank)
+            if hook is not None:
+                hook.remove()
+    except Exception as err:  # noqa: BLE001  (the test checks the type and the message)
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}
+
+
 def _fp16(rank, mode, fp16=True, **lowcomm):
     """An fp16 gradient overflow on rank 0 at BAD_STEP: the loss scale halves, training goes on.
     (``fp16=False``: the fp32 run with a NaN there instead, for comparison.)"""
@@ -107,6 +124,8 @@ CASES = {
     "zero1": (_exact_skip, "zero1", dict(factor=NAN)),
     "zero1_diverges": (_diverges, "zero1", {}),
     "zero1_fp16": (_fp16, "zero1", {}),
+    "zero1_bf16_own_shard": (_diverges_in_own_shard, "zero1", {}),
+    "zero1_bf16_overlap_own_shard": (_diverges_in_own_shard, "zero1", dict(zero1={"overlap": True})),
     "stock_fp16": (_fp16, None, {}),
     # accumulate_while_waiting off: one step per gradient_accumulation_steps micro-batches, as
     # in the reference, whatever the timing
@@ -216,6 +235,16 @@ def test_run_that_stays_nonfinite_stops(results, name):
         assert "\n" not in msg and "diverged: 3 consecutive steps up to step 4" in msg, msg
         source = "from another replica" if name.startswith("demo") and rank == 1 else "from rank 0"
         assert "max_consecutive_skips" in msg and source in msg, msg
+
+
+@pytest.mark.parametrize("name", ["zero1_bf16_own_shard", "zero1_bf16_overlap_own_shard"])
+def test_rank_named_when_its_own_shard_was_nonfinite(results, name):
+    """The NaN lay only in the part of the sums that rank 1 reduces into in place; the message
+    still names rank 1 (its own part was checked before it was overwritten), and only rank 1."""
+    for r in _get(results, name):
+        assert r["error"] == "DivergedError", r
+        assert "diverged: 3 consecutive steps up to step 4" in r["message"], r["message"]
+        assert "from rank 1;" in r["message"] or "from rank 1)" in r["message"], r["message"]
 
 
 @pytest.mark.parametrize("name", ["zero1_fp16", "acco_fp16", "demo_fp16", "desloc_fp16"])

@@ -49,7 +49,7 @@ from ds_lowcomm.inflight import InFlight
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_shard_group_size
 from ds_lowcomm.round import StepRound
-from ds_lowcomm.sharded_step import clip_by_global_norm, clip_scale, nonfinite_ranks
+from ds_lowcomm.sharded_step import all_finite, clip_by_global_norm, clip_scale, nonfinite_ranks
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
@@ -107,7 +107,7 @@ class DemoRound(StepRound):
         self.grad_norm = clip_by_global_norm(shard, grad, ctx.gradient_clipping)
         local_ok = math.isfinite(self.grad_norm)  # one verdict per shard group
         if not local_ok:
-            self.nonfinite_ranks = nonfinite_ranks(shard, self.grads)
+            self.nonfinite_ranks = nonfinite_ranks(shard, all_finite(self.grads), self.grads.device)
 
         # δ is updated into a new tensor and committed only once every replica's verdict is in.
         delta = mode.delta * o.beta

@@ -75,6 +75,7 @@ class Zero1(Mode):
             reduced, self.buckets.out = self.buckets.out, None
         rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer,
                                scale=1.0 / ctx.topology.shard.world, reduced=reduced,
+                               own_finite=self.buckets.own_finite if self.buckets is not None else None,
                                gather=self.gathers is None)
         rnd.pack()
         ctx.worker.wait(ctx.worker.submit(rnd))
