@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ds_lowcomm.comm import temporary
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.flat import ALIGN
 from ds_lowcomm.round import Round
@@ -110,7 +111,7 @@ class GradBuckets:
         """Before the backward pass that ends an accumulation: watch its hooks."""
         sums = self.ctx.grads.buffer
         if sums.dtype == torch.float32:
-            self.out, self.own_finite = sums.new_empty(self.ctx.flat.layout.shard_size), None
+            self.out, self.own_finite = temporary(self.ctx.flat.layout.shard_size, sums.dtype, sums.device), None
         else:
             self.out, self.own_finite = self.ctx.flat.layout.shard(sums), True
         self._pending = list(self._params_in)

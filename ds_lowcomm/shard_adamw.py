@@ -73,7 +73,8 @@ class ShardAdamW:
         a few chunk-sized temporaries instead of a 12-bytes-per-element snapshot of the state.
         """
         step = self.step_count + 1
-        scratch = temporary(min(chunk, grad.numel()), torch.float32, grad.device)
+        lowp = grad.dtype != torch.float32 or factor != 1.0
+        scratch = temporary(min(chunk, grad.numel()), torch.float32, grad.device) if lowp else None
         for seg in self.segments:
             hp = param_groups[seg.group]
             beta1, beta2 = hp["betas"]
@@ -81,7 +82,7 @@ class ShardAdamW:
             bc1, bc2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
             for a in range(seg.start, seg.end, chunk):
                 sl = slice(a, min(a + chunk, seg.end))
-                g = grad[sl] if grad.dtype == torch.float32 and factor == 1.0 else scratch[:sl.stop - a].copy_(grad[sl]).mul_(factor)
+                g = scratch[:sl.stop - a].copy_(grad[sl]).mul_(factor) if lowp else grad[sl]
                 m = self.exp_avg[sl].mul(beta1).add_(g, alpha=1 - beta1)
                 v = self.exp_avg_sq[sl].mul(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = v.sqrt_().div_(bc2_sqrt).add_(eps)

@@ -189,16 +189,8 @@ class ShardedStepRound(StepRound):
                 self.rank_paces = values[comm.world:]
             scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
         grad, own_finite = self.reduced, self.own_finite
-        if grad is None and self.grads.dtype == torch.float32:
-            grad = self.grads.new_empty(layout.shard_size, dtype=torch.float32)
-            comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
-        elif grad is None:
-            # 2-byte sums are reduced into this rank's own part of them, as stock DeepSpeed reduces
-            # its bf16/fp16 gradients (each chunk is copied out before its sum lands there): no
-            # fp32 shard beside the sums (4/W bytes per parameter), the sum rounded once to 2 bytes.
-            grad = layout.shard(self.grads)
-            own_finite = all_finite(grad)
-            comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
+        if grad is None:
+            grad, own_finite = self._reduce_scatter()
         factor = scale / self.loss_scale
         if grad.dtype == torch.float32:  # scaled and clipped in place
             grad.mul_(factor)
@@ -236,6 +228,21 @@ class ShardedStepRound(StepRound):
         self.out = out
         if self.gather:
             comm.all_gather(self.target if self.delta is None else self.delta, out)
+
+    def _reduce_scatter(self):
+        """This rank's shard of the summed ``grads`` and, when reduced in place, whether this
+        rank's own part of them was finite before. fp32 sums land in an fp32 shard; 2-byte sums
+        are reduced into this rank's own part of them, as stock DeepSpeed reduces its bf16/fp16
+        gradients (each chunk is copied out before its sum lands there): no fp32 shard beside
+        the sums (4/W bytes per parameter), the sum rounded once to 2 bytes."""
+        comm, layout = self.ctx.topology.shard, self.ctx.flat.layout
+        if self.grads.dtype == torch.float32:
+            grad, own_finite = temporary(layout.shard_size, torch.float32, self.grads.device), None
+        else:
+            grad = layout.shard(self.grads)
+            own_finite = all_finite(grad)
+        comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
+        return grad, own_finite
 
     def install(self) -> None:
         if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's

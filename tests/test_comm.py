@@ -54,6 +54,10 @@ def _collectives(rank, world, chunk_bytes):
         gathered = torch.empty(WORLD * SHARD)
         c.all_gather(gathered, _inputs(rank)[:SHARD])
         out["ag"] = gathered
+        # An fp32 master gathered into a bf16 model, converted chunk by chunk.
+        gathered = torch.empty(WORLD * SHARD, dtype=torch.bfloat16)
+        c.all_gather(gathered, _inputs(rank)[:SHARD])
+        out["ag_to_bf16"] = gathered
         # The same all-gather range by range, in forward order, in bf16 too.
         for dtype in (torch.float32, torch.bfloat16):
             op = stats.ops["shard.all_gather"]
@@ -92,6 +96,7 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         for wire, size in ((torch.float32, 4), (torch.bfloat16, 2)):
             assert res[f"rs_range_bytes_{wire}"] == pytest.approx((2 * (WORLD - 1) * SHARD * size,) * 2)
         assert torch.equal(res["ag"], torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)]))
+        assert torch.equal(res["ag_to_bf16"], res["ag"].bfloat16())
         for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
             want_ag = torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)]).to(dtype)
             assert torch.equal(res[f"ag_range_{dtype}"], want_ag)
@@ -103,4 +108,4 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         assert calls == 2 + 2 * 6 + 1 + 5
         assert sent == pytest.approx((WORLD - 1) * SHARD * (3 * (4 + 2) + 2 * 2))
         calls, sent = res["ops"]["shard.all_gather"]
-        assert calls == 1 + 2 * 5 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 4 + 2))
+        assert calls == 2 + 2 * 5 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2 + 4 + 2))

@@ -45,8 +45,10 @@ never accumulates); ``"fp32"`` gathers the parameters whole.
 Cost per optimizer step in fp32, against zero1's 8 bytes per parameter (times (W−1)/W): a real
 round of 6 (gradient in fp32, change in bf16) and an estimate round of 4, so 1.25 times zero1's
 bytes (1.5 times with ``real_gather_dtype: "fp32"``, twice with both dtypes ``"fp32"``), hidden
-when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model + gathered result) + 4 (fp32
-accumulator) + c (send buffer in ``comm_dtype``) + 16/W (master, moments, gradient shard).
+when a round takes less time than half a batch of compute. Memory per parameter: 2·p (model +
+gathered result) + a (accumulator, in ``grad_accum_dtype``) + c (send buffer in ``comm_dtype``) +
+12/W (master, moments) + 4/W (an fp32 gradient shard; none when c = 2: the send buffer is reduced
+in place).
 """
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from ds_lowcomm.checkpoint import check_rank_layout, rank_layout
+from ds_lowcomm.comm import temporary
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.flat import gather_full
@@ -101,7 +102,7 @@ class DemoRound(StepRound):
         ctx, o = mode.ctx, mode.options
         shard, replica = ctx.topology.shard, ctx.topology.replica
 
-        grad = self.grads.new_empty(ctx.flat.layout.shard_size, dtype=torch.float32)
+        grad = temporary(ctx.flat.layout.shard_size, torch.float32, self.grads.device)
         shard.reduce_scatter(grad, self.grads, wire_dtype=ctx.comm_dtype)
         grad.mul_(1.0 / (shard.world * self.loss_scale))
         self.grad_norm = clip_by_global_norm(shard, grad, ctx.gradient_clipping)
