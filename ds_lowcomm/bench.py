@@ -15,7 +15,8 @@ plots into ``--out``:
   variants of a shipped config (``VARIANTS``): ``zero1-overlap`` (``"zero1": {"overlap": true}``),
   ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32", "real_gather_dtype": "fp32"}``, the
   paper's rounds), ``acco-fp32-gather`` (``"acco": {"real_gather_dtype": "fp32"}``, the real round's
-  parameters gathered whole), ``demo-overlap`` (``"demo": {"overlap": true, "lookahead": false}``).
+  parameters gathered whole), ``demo-overlap`` (``"demo": {"overlap": true, "lookahead": false}``),
+  ``zero1-slowest`` (``"pace": "slowest"``: every rank computes every micro-batch it is handed).
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
@@ -28,6 +29,14 @@ each mode is reported at the budget that reached the target soonest.
 ``--regime`` sets up a link: ``fast`` (none), ``moderate`` (a DDP sync takes about one step of
 compute), ``slow`` (about ten), ``uneven`` (rank 1 three times slower per micro-batch) and
 ``two-node`` (4 ranks as 2 nodes of 2: fast inside a node, a rate-limited link between them).
+``uneven-trainer`` is ``uneven`` under the Hugging Face Trainer (``examples/finetune_hf.py``, which
+hands every rank the same micro-batches) instead of ``examples/train.py``: modes ``zero1``
+(``ds_configs/hf/zero1.json``, ``"pace": "fastest"`` by default: the slow rank runs some micro-batches
+forward only), ``zero1-slowest`` (the same with ``"pace": "slowest"``: the slow rank sets the pace;
+the synchronous baseline of the default target), ``acco`` (``ds_configs/hf/acco.json``),
+``deepspeed`` (``hf/zero1.json`` without its ``"lowcomm"`` section: stock ZeRO-1) and ``ddp`` (the
+Trainer with no DeepSpeed); default budgets ``TRAINER_BUDGETS``; the Trainer's own LR schedule
+(warm-up a tenth, cosine) spans each budget.
 ``slow`` and ``two-node`` run ``demo`` and ``desloc`` with their slow-link configs
 (``REGIME_CONFIGS``).
 ``moderate``, ``slow`` and ``two-node`` derive the rate from a short calibration run of this
@@ -57,12 +66,14 @@ from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
+FINETUNE = ROOT / "examples" / "finetune_hf.py"
 TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
 CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd": "deepspeed_zero1.json",
            "deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "zero1-overlap": "zero1.json",
            "acco": "acco_zero1.json", "acco-fp32-estimate": "acco_zero1.json",
            "acco-fp32-gather": "acco_zero1.json", "dpu": "dpu_zero1.json",
-           "demo": "demo_zero1.json", "demo-overlap": "demo_zero1.json", "desloc": "desloc_zero1.json"}
+           "demo": "demo_zero1.json", "demo-overlap": "demo_zero1.json", "desloc": "desloc_zero1.json",
+           "zero1-slowest": "zero1.json"}
 #: the shipped configs a regime uses instead of CONFIGS' (its link makes other settings win)
 REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "demo-overlap": "demo_slow_link.json",
                            "desloc": "desloc_slow_link.json"}
@@ -73,10 +84,21 @@ VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
             "acco-fp32-gather": {"acco": {"real_gather_dtype": "fp32"}},
             # (no look-ahead: it needs shard_group_size 1, which two-node's demo does not have)
             "demo-overlap": {"demo": {"overlap": True, "lookahead": False}}}
+#: modes that are a shipped config with top-level "lowcomm" options changed
+LOWCOMM_OPTIONS = {"zero1-slowest": {"pace": "slowest"}}
+#: --regime uneven-trainer's modes: the config examples/finetune_hf.py runs (None: no DeepSpeed,
+#: the Trainer's DDP); "deepspeed" drops the "lowcomm" section (stock ZeRO-1)
+TRAINER_CONFIGS = {"zero1": "hf/zero1.json", "zero1-slowest": "hf/zero1.json", "acco": "hf/acco.json",
+                   "deepspeed": "hf/zero1.json", "ddp": None}
+#: its synchronous baselines (default target, in order of preference), also the table's peers:
+#: zero1-slowest is what zero1 did under the Trainer before pacing
+TRAINER_BASELINES = ("zero1-slowest", "deepspeed", "ddp")
+#: its default step budgets (a 20-step run of the default model: ~30-50 s on 2 CPU cores)
+TRAINER_BUDGETS = [20, 40, 60]
 PEERS = ("ddp", "ddp-powersgd", "deepspeed")
 #: the synchronous baselines whose final val loss is the default target, in order of preference
 BASELINES = ("ddp", "deepspeed", "zero1")
-REGIMES = ("fast", "moderate", "slow", "uneven", "two-node")
+REGIMES = ("fast", "moderate", "slow", "uneven", "two-node", "uneven-trainer")
 #: compute steps one DDP sync should take on the link, per regime
 SYNC_STEPS = {"moderate": 1.0, "slow": 10.0, "two-node": 10.0}
 MODELS = {  # name: (n_layer, n_head, n_embd, block_size)
@@ -209,19 +231,31 @@ class TwoNodeLink(Link):
         self.names, self.ns = [], None
 
 
-def config_name(mode: str, regime: Optional[str]) -> str:
-    """The shipped config (in ds_configs/) ``mode`` starts from under ``regime``."""
+def config_name(mode: str, regime: Optional[str]) -> Optional[str]:
+    """The shipped config (in ds_configs/) ``mode`` starts from under ``regime`` (None: no DeepSpeed)."""
+    if regime == "uneven-trainer":
+        return TRAINER_CONFIGS[mode]
     return REGIME_CONFIGS.get(regime, {}).get(mode, CONFIGS[mode])
 
 
-def write_config(mode: str, args, out: Path, steps: int) -> Path:
-    cfg = json.loads((ROOT / "ds_configs" / config_name(mode, args.regime)).read_text())
-    cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
-    cfg["gradient_accumulation_steps"] = args.gas
+def write_config(mode: str, args, out: Path, steps: int) -> Optional[Path]:
+    name = config_name(mode, args.regime)
+    if name is None:
+        return None
+    cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+    if args.regime == "uneven-trainer":
+        # the Trainer fills the "auto" batch sizes from the script's flags and builds its own
+        # optimizer and LR schedule (warm-up a tenth, cosine), spanning --max-steps: the budget
+        if mode == "deepspeed":
+            cfg.pop("lowcomm", None)
+    else:
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+        cfg["gradient_accumulation_steps"] = args.gas
     if "scheduler" in cfg:  # the schedule spans the run's budget
         cfg["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=max(1, steps // 10))
     for section, options in VARIANTS.get(mode, {}).items():
         cfg["lowcomm"].setdefault(section, {}).update(options)
+    cfg.get("lowcomm", {}).update(LOWCOMM_OPTIONS.get(mode, {}))
     if args.regime == "two-node" and cfg.get("lowcomm", {}).get("mode") in ("demo", "desloc"):
         cfg["lowcomm"]["shard_group_size"] = args.world_size // 2  # ZeRO-1 inside a node
     if args.comm_dtype and "lowcomm" in cfg:
@@ -266,6 +300,26 @@ def train_command(args, mode: str, config: Path, nproc: int, log_json: Path, slo
     return cmd
 
 
+def trainer_command(args, config: Optional[Path], log_json: Path, steps: int, output_dir: Path) -> List[str]:
+    """``examples/finetune_hf.py`` (the Hugging Face Trainer) for ``--regime uneven-trainer``:
+    no ``--deepspeed`` (``config`` None) runs the Trainer's DDP."""
+    n_layer, n_head, n_embd, block = MODELS[args.model]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
+           "--master_port", str(free_port()), str(FINETUNE)]
+    if config is not None:
+        cmd += ["--deepspeed", str(config)]
+    cmd += ["--max-steps", str(steps), "--eval-every", str(max(1, steps // args.evals)),
+            "--eval-iters", str(args.eval_iters), "--log-every", str(max(1, steps // 20)),
+            "--seed", str(args.seed), "--micro-batch", str(args.micro_batch), "--gas", str(args.gas),
+            "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
+            "--block-size", str(block), "--log-json", str(log_json), "--output-dir", str(output_dir)]
+    if args.data:
+        cmd += ["--data", args.data]
+    if args.slow_rank:
+        cmd += ["--slow-ranks", args.slow_rank]
+    return cmd
+
+
 def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> dict:
     """One training of ``steps`` optimizer steps; returns its result JSON (plus the records)."""
     config = write_config(mode, args, out, steps)
@@ -273,6 +327,23 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
     env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    if args.regime == "uneven-trainer":
+        log_json = logs / f"{label}.jsonl"
+        log_json.unlink(missing_ok=True)
+        output_dir = out / "hf_runs" / label  # the Trainer's output (the final model): removed after
+        proc = _launch(trainer_command(args, config, log_json, steps, output_dir), env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        text = _follow(proc, label)
+        (logs / f"{label}.log").write_text(text)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        try:
+            output_dir.parent.rmdir()  # when it was the last
+        except OSError:
+            pass
+        result = _result(text, label)
+        result["mode"] = mode
+        result["records"] = _records(log_json)
+        return result
     if mode == "ideal":
         # W single-rank trainings at once: same per-rank work and machine load, no communication.
         # A slowed rank keeps its slowdown.
@@ -434,8 +505,15 @@ def summarize(mode: str, runs: List[dict], bandwidth: Optional[str], steps: int)
             "final_train_loss": med("final_train_loss"), "val_loss": med("val_loss"),
             "peak_rss_mb": med("peak_rss_mb"), "tokens": int(med("tokens")), "steps": steps,
             "repeats": len(runs), "micro_batches_per_round": med("micro_batches_per_round"),
+            # lowcomm.pace: each rank's share of its micro-batches computed fully (recent steps)
+            "computed_share_by_rank": _median_lists([r.get("computed_share_by_rank") for r in runs]),
             "seconds_to_target": None, "tokens_to_target": None, "step_to_target": None,
             "all_records": [r["records"] for r in runs], "records": runs[len(runs) // 2]["records"]}
+
+
+def _median_lists(lists: List[Optional[list]]) -> Optional[list]:
+    lists = [l for l in lists if l]
+    return [statistics.median(v) for v in zip(*lists)] if lists else None
 
 
 #: relative margin above the baseline's final val loss in the default target: the exact modes end
@@ -443,10 +521,11 @@ def summarize(mode: str, runs: List[dict], bandwidth: Optional[str], steps: int)
 TARGET_TOLERANCE = 1e-4
 
 
-def default_target(runs: List[dict], budget: Optional[int] = None) -> Optional[tuple]:
-    """(target, what it is): the final val loss of the first synchronous baseline run, at
-    ``budget`` (default its longest), times 1 + ``TARGET_TOLERANCE``."""
-    for name in BASELINES:
+def default_target(runs: List[dict], budget: Optional[int] = None,
+                   baselines: Tuple[str, ...] = BASELINES) -> Optional[tuple]:
+    """(target, what it is): the final val loss of the first synchronous baseline run (of
+    ``baselines``), at ``budget`` (default its longest), times 1 + ``TARGET_TOLERANCE``."""
+    for name in baselines:
         mine = [r for r in runs if r["mode"] == name]
         if mine:
             if budget is None:
@@ -499,7 +578,7 @@ def _ratio(r: dict, peer: Optional[dict]) -> str:
 def markdown(config: dict, runs: List[dict]) -> str:
     best = best_per_mode(runs)
     by_mode = {r["mode"]: r for r in best}
-    peers = [p for p in PEERS if p in by_mode]
+    peers = [p for p in (TRAINER_BASELINES if config.get("regime") == "uneven-trainer" else PEERS) if p in by_mode]
     head = ("| mode | best budget (steps) | seconds to target | tokens to target | "
             + "".join(f"vs {p} | " for p in peers) + "final val loss | link MB/rank/step |")
     # seconds/tokens to target are interpolated between validations; "(by step N)": the first
@@ -536,7 +615,9 @@ def markdown(config: dict, runs: List[dict]) -> str:
             f"micro-batch {c['micro_batch']} × accumulation {c['gas']}, regime {c['regime'] or 'custom'}, link "
             f"{c['bandwidth'] or 'unlimited'}{' + ' + c['latency'] if c['latency'] else ''}"
             f"{' between 2 nodes' if c['regime'] == 'two-node' else ''}, "
-            f"slow ranks: {c['slow_rank'] or 'none'}, medians over {c['repeat']} run(s); {target}; "
+            f"slow ranks: {c['slow_rank'] or 'none'}, "
+            f"{'the Hugging Face Trainer (examples/finetune_hf.py), ' if c['regime'] == 'uneven-trainer' else ''}"
+            f"medians over {c['repeat']} run(s); {target}; "
             f"validation every 1/{c['evals']} of a run, off the clock.\n\n"
             f"Command: `{c['command']}`\n\n"
             f"Time to target, each mode at its best budget (seconds of training; ratios < 1: faster than the peer):\n\n"
@@ -622,16 +703,19 @@ def _budgets(text: str) -> List[int]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default="ideal,ddp,deepspeed,zero1,acco",
-                    help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated, from: {', '.join(CONFIGS)} (default ideal,ddp,deepspeed,zero1,acco); "
+                         f"--regime uneven-trainer: from {', '.join(TRAINER_CONFIGS)} (default all)")
     ap.add_argument("--regime", choices=REGIMES, default=None,
-                    help="a preset link: fast, moderate, slow, uneven or two-node (see above)")
+                    help="a preset link: fast, moderate, slow, uneven, two-node or uneven-trainer (see above)")
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 for two-node)")
     ap.add_argument("--bandwidth", default=None, help="e.g. 100mbit (tc rate syntax); default unlimited, "
                                                       "or the regime's calibrated rate")
     ap.add_argument("--latency", default=None, help="e.g. 5ms added one-way delay")
     ap.add_argument("--model", choices=list(MODELS), default="small")
-    ap.add_argument("--steps", type=int, default=60, help="the step budget (unless --budgets)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="the step budget (unless --budgets; default 60, --regime uneven-trainer "
+                         f"{','.join(map(str, TRAINER_BUDGETS))})")
     ap.add_argument("--budgets", type=_budgets, default=None, metavar="N,N,...",
                     help="run every mode at each of these step budgets (schedule included); each "
                          "mode is reported at the one that reached the target soonest")
@@ -668,26 +752,33 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    trainer = args.regime == "uneven-trainer"
+    known = TRAINER_CONFIGS if trainer else CONFIGS
+    if args.modes is None:
+        args.modes = ",".join(TRAINER_CONFIGS) if trainer else "ideal,ddp,deepspeed,zero1,acco"
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.mode_list if m not in CONFIGS]
+    bad = [m for m in args.mode_list if m not in known]
     if bad:
-        ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(CONFIGS)}")
-    args.budgets = args.budgets or [args.steps]
+        ap.error(f"--modes: unknown {', '.join(bad)}{' under --regime uneven-trainer' if trainer else ''}; "
+                 f"choose from {', '.join(known)}")
+    args.budgets = args.budgets or ([args.steps] if args.steps else list(TRAINER_BUDGETS) if trainer else [60])
     if args.target_budget is not None and args.target is not None:
         ap.error("--target-budget picks the default target: give it or --target, not both")
     if args.target_budget is not None and not args.retarget and args.target_budget not in args.budgets:
         ap.error(f"--target-budget {args.target_budget} must be one of --budgets {args.budgets}")
     if args.evals < 1:
         ap.error(f"--evals: got {args.evals}; must be >= 1")
-    if args.regime == "uneven" and args.slow_rank is None:
+    if args.regime in ("uneven", "uneven-trainer") and args.slow_rank is None:
         args.slow_rank = "1:3"
     if args.world_size is None:
         args.world_size = 4 if args.regime == "two-node" else 2
     if args.regime == "two-node" and (args.world_size < 4 or args.world_size % 2):
         ap.error(f"--regime two-node: --world-size {args.world_size} must be even and >= 4 (2 nodes)")
-    if args.regime in ("fast", "uneven") and (args.bandwidth or args.latency):
+    if args.regime in ("fast", "uneven", "uneven-trainer") and (args.bandwidth or args.latency):
         ap.error(f"--regime {args.regime} has no link limit; drop --bandwidth/--latency or pick another regime")
-    if not TRAIN.is_file():
+    if trainer and args.tokenizer != "byte":
+        ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
+    if not TRAIN.is_file() or (trainer and not FINETUNE.is_file()):
         ap.error(f"{TRAIN} not found: the bench runs examples/train.py with ds_configs/ of a source "
                  f"checkout; run it from the checkout's root (cd ds_lowcomm && python -m ds_lowcomm.bench)")
     return args
@@ -765,8 +856,12 @@ def main(argv=None) -> dict:
                   command=command)
     for mode in args.mode_list:
         if mode != "ideal":
-            print(f"{mode}: ds_configs/{config_name(mode, args.regime)}"
-                  + (f" with {VARIANTS[mode]}" if mode in VARIANTS else ""), flush=True)
+            name = config_name(mode, args.regime)
+            changed = VARIANTS.get(mode) or LOWCOMM_OPTIONS.get(mode)
+            print(f"{mode}: " + (f"ds_configs/{name}" if name else "no DeepSpeed (the Trainer's DDP)")
+                  + (f" with {changed}" if changed else "")
+                  + (" without its \"lowcomm\" section" if args.regime == "uneven-trainer" and mode == "deepspeed"
+                     else ""), flush=True)
     total = len(args.mode_list) * len(args.budgets) * args.repeat
     done, t_start, results = 0, time.monotonic(), []
     try:
@@ -792,7 +887,8 @@ def report(config: dict, results: List[dict], out: Path, target: Optional[float]
     config.pop("target", None)
     if target is not None:
         config.update(target=target, target_source="--target")
-    elif (found := default_target(results, target_budget)) is not None:
+    elif (found := default_target(results, target_budget, TRAINER_BASELINES if config.get("regime") == "uneven-trainer"
+                                  else BASELINES)) is not None:
         config.update(target=found[0], target_source=found[1])
     if config.get("target") is not None:
         apply_target(results, config["target"])

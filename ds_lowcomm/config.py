@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional
 
 SECTION = "lowcomm"
 COMM_DTYPES = ("auto", "fp32", "bf16")
+PACES = ("fastest", "slowest")
 #: the spellings DeepSpeed accepts for ``data_types.grad_accum_dtype``, by the dtype they name
 GRAD_ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                      "fp16": "fp16", "float16": "fp16"}
@@ -114,6 +115,10 @@ class LowCommConfig:
     max_consecutive_skips: int = option(10, "consecutive steps skipped for a non-finite gradient "
                                         "(not counting fp16 overflows that lower the loss scale) "
                                         "after which the run stops as diverged", minimum=1)
+    pace: Optional[str] = option(None, "'fastest': a rank slower than the fastest runs some of the loop's "
+                                 "micro-batches forward only, so the fastest rank sets the pace (the default "
+                                 "where the mode supports it); 'slowest': every rank computes every "
+                                 "micro-batch", choices=PACES)
     mode_options: Any = None
 
     @staticmethod
@@ -246,5 +251,10 @@ def parse(ds: Mapping[str, Any], modes: Mapping[str, Any]) -> LowCommConfig:
     registry ``modes`` (handed in, not imported: the modes import this module)."""
     cfg = LowCommConfig.from_dict(ds[SECTION], modes)
     check_deepspeed_config(ds)
+    if cfg.pace == "fastest" and not modes[cfg.mode].paces:
+        raise LowCommConfigError(
+            f"{SECTION}.pace: 'fastest' is not available in mode {cfg.mode!r}: its replicas step on their "
+            f"own gradients and exchange nothing on most steps, so no rank learns the others' pace; "
+            f"remove the key (or use mode 'zero1' or 'acco')")
     modes[cfg.mode].check_config(ds, cfg)
     return cfg

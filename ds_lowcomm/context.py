@@ -3,12 +3,13 @@ worker, not the optimizer itself)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from ds_lowcomm.comm import Collectives
 from ds_lowcomm.flat import FlatParams, GradAccumulator
+from ds_lowcomm.pace import Pacer
 from ds_lowcomm.topology import Topology
 from ds_lowcomm.worker import CommWorker
 
@@ -42,6 +43,9 @@ class ModeContext:
     #: the model's modules, for forward hooks (``zero1`` with overlap); empty when the optimizer
     #: was built without the model
     modules: Sequence[torch.nn.Module] = ()
+    #: which micro-batches this rank computes fully (``lowcomm.pace``), for modes that pace; None
+    #: where every micro-batch is computed
+    pacer: Optional[Pacer] = None
 
     @property
     def loss_scale(self) -> float:

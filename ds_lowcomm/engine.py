@@ -19,6 +19,7 @@ from ds_lowcomm.config import (GRAD_ACCUM_DTYPES, SECTION, LowCommConfig, LowCom
                                check_adamw_hyperparameters)
 from ds_lowcomm.modes import MODES
 from ds_lowcomm.optimizer import LowCommOptimizer
+from ds_lowcomm.pace import token_weight
 
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
 MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "wait_seconds_per_step",
@@ -107,6 +108,9 @@ class LowCommEngine(DeepSpeedEngine):
     accepts_lowcomm_config = True
 
     def __init__(self, *args, **kwargs) -> None:
+        #: (computed, weight) of the latest training forward pass, for its backward
+        self._micro_batch = None
+        self._loop_bound = False
         super().__init__(*args, **kwargs)
         self.enable_backward_allreduce = False
 
@@ -174,12 +178,39 @@ class LowCommEngine(DeepSpeedEngine):
             events = [(f"Train/lowcomm/{k}", float(s[k]), step) for k in MONITORED if k in s]
             events += [(f"Train/lowcomm/micro_batches_per_round/rank{r}", float(c), step)
                        for r, c in enumerate(s.get("micro_batches_per_round_by_rank", ()))]
+            events += [(f"Train/lowcomm/computed_share/rank{r}", float(c), step)
+                       for r, c in enumerate(s.get("computed_share_by_rank", ()))]
             self.monitor.write_events(events)
+
+    def forward(self, *inputs, **kwargs):
+        """DeepSpeed's ``forward``. A training micro-batch (module in training mode, gradients
+        enabled) that this rank, slower than the fastest, leaves to the others runs under
+        ``torch.no_grad`` (``lowcomm.pace``, :mod:`ds_lowcomm.pace`): the loop still gets the
+        model's real outputs, and its backward is skipped."""
+        opt = getattr(self, "optimizer", None)
+        if not (isinstance(opt, LowCommOptimizer) and opt.pacer is not None and self.module.training
+                and torch.is_grad_enabled()):
+            return super().forward(*inputs, **kwargs)
+        computed = opt.begin_micro_batch()
+        encoder_decoder = bool(getattr(getattr(self.module, "config", None), "is_encoder_decoder", False))
+        weight = token_weight(kwargs, encoder_decoder)
+        self._micro_batch = (computed, 1.0 if weight is None else weight)
+        if computed:
+            return super().forward(*inputs, **kwargs)
+        with torch.no_grad():
+            return super().forward(*inputs, **kwargs)
 
     def backward(self, loss, *args, **kwargs):
         """DeepSpeed's ``backward``; with fp16 the loss is multiplied by the loss scale first (at
         ZeRO stage 0 DeepSpeed 0.19.8 only scales for its own optimizers) and the returned loss
-        is unscaled again."""
+        is unscaled again. After a forward pass run forward only (see :meth:`forward`), no
+        backward runs: the micro-batch is counted as handed out and not computed."""
+        computed, weight = self._micro_batch or (True, 1.0)
+        self._micro_batch = None
+        if not self._loop_bound:
+            # The Trainer and accelerate set the boundary before every backward pass.
+            self.optimizer.bind_loop(marks_boundaries=self._is_gradient_accumulation_boundary is not None)
+            self._loop_bound = True
         if self._drives_steps():
             # Only a boundary the loop set itself (accelerate and the Trainer, through
             # set_gradient_accumulation_boundary, before every backward): DeepSpeed's own count
@@ -189,12 +220,15 @@ class LowCommEngine(DeepSpeedEngine):
             boundary = self.is_gradient_accumulation_boundary()  # micro_steps moves in step()
         self.optimizer.on_backward_start(boundary)
         scaler = getattr(self.optimizer, "loss_scaler", None)
-        if scaler is not None:
+        if not computed:  # what DeepSpeed's backward returns, without the pass
+            scale_wrt_gas = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+            out = (loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss).detach()
+        elif scaler is not None:
             scale = self.optimizer.loss_scale
             out = super().backward(scaler.scale_loss(loss), *args, **kwargs) / scale
         else:
             out = super().backward(loss, *args, **kwargs)
-        self.optimizer.on_micro_batch_end(boundary)
+        self.optimizer.on_micro_batch_end(boundary, computed, weight)
         return out
 
     def comm_stats(self) -> dict:

@@ -156,6 +156,7 @@ class GradAccumulator:
         self.flat = flat
         self.buffer = torch.zeros(flat.layout.padded, dtype=dtype, device=flat.device)
         self.micro_batches = 0
+        self.weights = torch.zeros(2, dtype=torch.float64, device=flat.device)
         #: ``p.grad`` is the parameter's slice of the buffer (sums in the parameters' dtype)
         self.in_place = dtype == flat.dtype
         self.on_final: Optional[Callable[[torch.Tensor], None]] = None
@@ -179,6 +180,16 @@ class GradAccumulator:
     def zero_(self) -> None:
         self.buffer.zero_()
         self.micro_batches = 0
+        self.weights.zero_()
+
+    def count(self, computed: bool, weight) -> None:
+        """A micro-batch of ``weight`` (a number or a 0-d tensor on the device) was handed to this
+        rank; ``computed``: its gradient was summed (a backward pass ran). No host sync."""
+        if computed:
+            self.micro_batches += 1
+            self.weights.add_(weight)
+        else:
+            self.weights[1:].add_(weight)
 
     def remove_hooks(self) -> None:
         """Stop accumulating; ``p.grad`` no longer refers to the buffer."""

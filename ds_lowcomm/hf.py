@@ -34,6 +34,8 @@ def trainer_metrics(engine) -> dict:
         out[f"{PREFIX}loss_scale"] = s["loss_scale"]
     for r, count in enumerate(s.get("micro_batches_per_round_by_rank", ())):
         out[f"{PREFIX}micro_batches_per_round/rank{r}"] = count
+    for r, share in enumerate(s.get("computed_share_by_rank", ())):  # lowcomm.pace
+        out[f"{PREFIX}computed_share/rank{r}"] = share
     return out
 
 

@@ -29,6 +29,7 @@ from ds_lowcomm.cpu import release_freed_heap
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.flat import FlatParams, GradAccumulator
 from ds_lowcomm.modes import MODES
+from ds_lowcomm.pace import Pacer
 from ds_lowcomm.topology import Topology
 from ds_lowcomm.worker import CommWorker
 
@@ -92,6 +93,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                  asynchronous=mode_cls.is_asynchronous(config.mode_options))
         self.micro_batches = 0
         self.steps = 0
+        # lowcomm.pace: by default the fastest rank sets the pace where the mode's rounds can
+        # carry the paces ("slowest", or a mode that cannot: every micro-batch computed).
+        self.pacer: Optional[Pacer] = None
+        if mode_cls.paces and config.pace != "slowest":
+            self.pacer = Pacer(mode_cls.pace_block(config.mode_options, self.gradient_accumulation_steps),
+                               self.topology.shard.rank, device=self.flat.device,
+                               wait_seconds=lambda: self.stats.wait_seconds)
         #: ``steps`` when this process started counting bytes (a resume restores ``steps``)
         self.steps_at_start = 0
         #: called after each optimizer step is taken (the engine's hook)
@@ -109,20 +117,35 @@ class LowCommOptimizer(torch.optim.Optimizer):
             param_groups=self.param_groups, comm_dtype=comm_dtype, gradient_clipping=self.gradient_clipping,
             gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
             _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
-            record_step=self.record_step, modules=tuple(modules)), config.mode_options)
+            record_step=self.record_step, modules=tuple(modules), pacer=self.pacer), config.mode_options)
         #: set by LowCommEngine.load_checkpoint while DeepSpeed loads: where the flat state is read
         self.checkpoint_shards = None
 
     # -- training -------------------------------------------------------------------------------
 
+    def bind_loop(self, marks_boundaries: bool) -> None:
+        """Called by the engine before the first backward pass: whether the loop marks its own
+        accumulation boundaries (see :meth:`Mode.bind_loop`). No communication."""
+        self.mode.bind_loop(marks_boundaries)
+
+    def begin_micro_batch(self) -> bool:
+        """Called by the engine as a training forward pass starts: whether it runs with
+        gradients (False: forward only, this rank being slower than the fastest; see
+        :mod:`ds_lowcomm.pace`). No communication, no host sync."""
+        return True if self.pacer is None else self.pacer.begin_micro_batch()
+
     def on_backward_start(self, boundary: bool) -> None:
         """Called by the engine before every backward pass (no communication)."""
         self.mode.on_backward_start(boundary)
 
-    def on_micro_batch_end(self, boundary: bool) -> None:
-        """Called by the engine after every backward pass (no communication)."""
-        self.grads.micro_batches += 1
-        self.micro_batches += 1
+    def on_micro_batch_end(self, boundary: bool, computed: bool = True, weight=1.0) -> None:
+        """Called by the engine after every micro-batch's backward pass, or in its place for one
+        run forward only (``computed`` False); ``weight``: 1, or its label tokens (a 0-d tensor)
+        when the loop normalises the loss by ``num_items_in_batch``. No communication."""
+        if self.pacer is not None:
+            self.pacer.end_micro_batch()  # before the mode's switch and its waits
+        self.grads.count(computed, weight)
+        self.micro_batches += computed  # the backward passes: what was trained on
         self.mode.on_micro_batch_end(boundary)
         if self._trim_heap:
             release_freed_heap()
@@ -235,6 +258,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
                    bytes_received_per_step=out["bytes_received"] / steps,
                    wait_seconds_per_step=out["wait_seconds"] / steps,
                    round_seconds_per_step=out["round_seconds"] / steps, **self.mode.metrics())
+        if self.pacer is not None and self.pacer.active:
+            out["computed_share_by_rank"] = self.pacer.computed_shares()
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The round of every mode that keeps ZeRO-1's sharded AdamW (``zero1``, both round
 Communication, over the shard group of W ranks, for P padded elements::
 
     all-reduce      micro-batch count per rank (only when they can differ)  2(W-1)/W · 8W bytes
-                    (16W with each rank's seconds per micro-batch, ``local_pace``)
+                    (+8W per value of ``local_paces``; 24W with ``weights``, +8W per pace)
     reduce-scatter  gradient sums in comm_dtype                       (W-1)/W · P · comm bytes
     all-reduce      squared norm of the gradient shards                2(W-1)/W · 4 bytes
     all-gather      updated parameters, into ``target``              (W-1)/W · P · param bytes
@@ -23,7 +23,7 @@ which ranks' own sums were non-finite, for the log.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
@@ -100,9 +100,18 @@ class ShardedStepRound(StepRound):
         local_count: instead of ``scale``, the number of micro-batches summed on this rank when
             ranks may differ; the counts are all-reduced and ``scale = GAS / global count``, so
             every micro-batch weighs the same whoever computed it.
-        local_pace: with ``local_count``, this rank's seconds per micro-batch (0 when unknown),
-            shared in the same all-reduce: every rank learns every rank's pace
-            (``rank_paces``; acco lets the fastest rank set the pace of its rounds with it).
+        weights: with ``local_count``, this rank's ``[computed, offered]`` weight
+            (:attr:`GradAccumulator.weights`, read at :meth:`pack`): some micro-batches the loop
+            handed a rank ran forward only (:mod:`ds_lowcomm.pace`). The sums C and O over the
+            ranks ride on the count all-reduce and ``scale = GAS · O / (block · W · C)``: the
+            computed micro-batches stand for all the loop handed out, and with everything computed
+            the scale is exactly zero1's ``1/W`` (``block`` = GAS) or an acco estimate's ``2/W``.
+        block: with ``weights``, the micro-batches a rank is handed for this round's sums when
+            nothing is dropped (GAS for a step; GAS/2 for an acco estimate round).
+        local_paces: with ``local_count``, numbers about this rank's pace (seconds per
+            micro-batch, 0 when unknown) shared in the same all-reduce: every rank learns every
+            rank's (``rank_paces``; acco's ``balance`` and the :class:`~ds_lowcomm.pace.Pacer`
+            let the fastest rank set the pace with them).
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
         wire_dtype: the dtype the gradient is reduce-scattered in (default ``comm_dtype``).
@@ -134,7 +143,8 @@ class ShardedStepRound(StepRound):
 
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor,
                  target: torch.Tensor, *, scale: Optional[float] = None,
-                 local_count: Optional[int] = None, local_pace: Optional[float] = None,
+                 local_count: Optional[int] = None, weights: Optional[torch.Tensor] = None,
+                 block: Optional[int] = None, local_paces: Sequence[float] = (),
                  estimate: bool = False, wire_dtype: Optional[torch.dtype] = None,
                  delta: Optional[torch.Tensor] = None,
                  after_update: Optional[Callable[[], None]] = None,
@@ -142,8 +152,8 @@ class ShardedStepRound(StepRound):
                  gather: bool = True) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
-        if local_pace is not None and local_count is None:
-            raise ValueError("local_pace rides on the local_count all-reduce: give local_count too")
+        if (weights is not None or local_paces) and local_count is None:
+            raise ValueError("weights and local_paces ride on the local_count all-reduce: give local_count too")
         if delta is not None and target.dtype != torch.float32:
             raise ValueError(f"delta: a change is added to fp32 parameters only (these are {target.dtype}: "
                              "a change below half a ulp of a 2-byte weight would be lost); gather them whole")
@@ -152,7 +162,9 @@ class ShardedStepRound(StepRound):
         self.wire_dtype = wire_dtype or ctx.comm_dtype
         self.delta = delta
         self.scale, self.local_count, self.estimate = scale, local_count, estimate
-        self.local_pace = local_pace
+        self.weights = weights
+        self.block = block or ctx.gradient_accumulation_steps
+        self.local_paces = list(local_paces)
         self.after_update = after_update
         self.reduced = reduced
         self.own_finite = own_finite
@@ -162,8 +174,10 @@ class ShardedStepRound(StepRound):
         self.out: Optional[torch.Tensor] = None
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
-        #: with ``local_pace``: each rank's seconds per micro-batch (0 where unknown)
-        self.rank_paces: Optional[List[float]] = None
+        #: with ``local_paces``: each rank's ``local_paces``
+        self.rank_paces: Optional[List[List[float]]] = None
+        #: with ``weights``: each rank's computed and offered weight
+        self.rank_weights: Optional[List[List[float]]] = None
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
@@ -171,23 +185,39 @@ class ShardedStepRound(StepRound):
         # fp16: the loss scale the gradients were computed with (the optimizer rescales what is
         # accumulated when the scale changes, so one value holds for the whole sum).
         self.capture_step(self.ctx.loss_scale, self.ctx.steps)
+        if self.weights is not None:  # the accumulator's, as of now (zeroed once the round is launched)
+            self.weights = self.weights.clone()
 
     def run(self) -> None:
         comm, layout = self.ctx.topology.shard, self.ctx.flat.layout
         scale = self.scale
         if self.local_count is not None:
-            # A vector, not the sum: every rank learns every rank's count (metrics) at no extra call.
-            paced = self.local_pace is not None
-            counts = torch.zeros(comm.world * (2 if paced else 1), dtype=torch.float64, device=self.grads.device)
-            counts[comm.rank] = self.local_count
-            if paced:
-                counts[comm.world + comm.rank] = self.local_pace
-            comm.all_reduce(counts)
-            values = counts.tolist()
-            self.rank_counts = [int(c) for c in values[:comm.world]]
-            if paced:
-                self.rank_paces = values[comm.world:]
-            scale = self.ctx.gradient_accumulation_steps / sum(self.rank_counts)
+            # A row per rank, not the sums: every rank learns every rank's count, weights and
+            # paces (metrics, pacing) at no extra call.
+            weighted = self.weights is not None
+            first = 3 if weighted else 1  # count[, computed, offered], paces...
+            rows = torch.zeros(comm.world, first + len(self.local_paces), dtype=torch.float64,
+                               device=self.grads.device)
+            mine = rows[comm.rank]
+            mine[0] = self.local_count
+            if weighted:
+                mine[1:3] = self.weights  # a device copy: no host sync for token weights
+            if self.local_paces:
+                mine[first:] = torch.tensor(self.local_paces, dtype=torch.float64)
+            comm.all_reduce(rows)
+            values = rows.tolist()
+            self.rank_counts = [int(r[0]) for r in values]
+            if self.local_paces:
+                self.rank_paces = [r[first:] for r in values]
+            gas = self.ctx.gradient_accumulation_steps
+            if weighted:
+                self.rank_weights = [r[1:3] for r in values]
+                computed, offered = (math.fsum(r[1] for r in values), math.fsum(r[2] for r in values))
+                # One division of exact integers: with everything computed the same value as
+                # zero1's 1/W, bit for bit.
+                scale = (gas * offered) / (self.block * comm.world * computed)
+            else:
+                scale = gas / sum(self.rank_counts)
         grad, own_finite = self.reduced, self.own_finite
         if grad is None:
             grad, own_finite = self._reduce_scatter()

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/finetune_hf.py --deepspeed ds_configs/hf/acco.json
     torchrun --nproc_per_node 2 examples/finetune_hf.py --deepspeed ds_configs/hf/zero1.json \\
         --model gpt2 --data my_instructions.jsonl
+    torchrun --nproc_per_node 2 examples/finetune_hf.py    # no --deepspeed: the Trainer's plain DDP
 
 A plain Trainer script: nothing here names ds_lowcomm. The installed autoload hook makes the
 ``"lowcomm"`` section of the JSON take effect; the Trainer fills the JSON's "auto" values from its
@@ -15,6 +16,13 @@ documentation (``pydoc_data``, shipped with every Python). Model: a small GPT-2 
 config with byte-level tokens by default (no download); ``--model NAME_OR_PATH`` fine-tunes a real
 checkpoint with its tokenizer. ``--slow-ranks 1:3`` makes rank 1 take 3x as long per micro-batch
 (its compute, not its communication), to see how a mode copes with uneven hardware.
+
+Validation: the last ``--val-fraction`` of the blocks is held out; every ``--eval-every`` steps
+(and after training) every rank computes the loss of its own fixed ``--eval-iters`` micro-batches
+of it, forward only in eval mode, averaged over the ranks. ``--log-json FILE``: rank 0 writes one
+JSON record per logged step (``step``, ``train_s``, ``tokens``, ``loss``) and per validation
+(``val_loss`` instead of ``loss``), ``train_s`` being the training clock without the validations
+(the records ``examples/train.py --log-json`` writes, which ``python -m ds_lowcomm.bench`` reads).
 The last stdout line is one JSON object with the results.
 """
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -91,22 +100,115 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-class SlowRankTrainer(transformers.Trainer):
-    """Emulates a slower accelerator: stretches this rank's compute (not its waiting for comm)."""
+def slow_down(model: torch.nn.Module, factor: float) -> None:
+    """Emulates an accelerator ``factor`` times slower: each forward pass of ``model`` is followed by
+    a sleep of (factor - 1) times its work, the work of a forward with gradients counted as three
+    forwards (the backward costs about twice the forward), one without gradients as itself. Inside
+    the forward, so the device's own time per micro-batch (what ds_lowcomm's pace reads) grows."""
+    started = []
 
-    def __init__(self, *args, slow: float = 1.0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.slow = slow
+    def before(module, args, kwargs):
+        started.append(time.perf_counter())
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        stats = getattr(getattr(self.model_wrapped, "optimizer", None), "stats", None)
-        waited = stats.wait_seconds if stats is not None else 0.0
+    def after(module, args, kwargs, output):
+        work = (time.perf_counter() - started.pop()) * (3.0 if torch.is_grad_enabled() else 1.0)
+        time.sleep((factor - 1.0) * work)
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"got {value:g}; must be between 0 and 1 (exclusive)")
+    return value
+
+
+def all_ranks(x: float, device, op: str = "sum") -> float:
+    """``x`` summed (``op="max"``: the largest) over the ranks; ``x`` itself without a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+    return t.item()
+
+
+@torch.no_grad()
+def evaluate(model, val: torch.Tensor, iters: int, mbs: int, rank: int, world: int, device) -> float:
+    """Mean loss of fixed held-out micro-batches (each rank its own ``iters``), over the ranks.
+
+    The plain model in eval mode under ``no_grad``: no gradient, no engine, nothing for a
+    DeepSpeed or DDP wrapper to count; every rank runs the same number of forward passes."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(iters):
+        rows = [((i * world + rank) * mbs + j) % len(val) for j in range(mbs)]
+        x = val[rows].to(device)
+        total += model(input_ids=x, labels=x).loss.float().item()
+    model.train(was_training)
+    return all_ranks(total / iters, device) / world
+
+
+class ValidationLog(transformers.TrainerCallback):
+    """The training clock without validation time, a validation every ``every`` steps, progress
+    lines and (rank 0) the ``--log-json`` records.
+
+    Validation runs in ``on_step_end`` on every rank at the same steps (its loss is averaged over
+    the ranks), and its time is subtracted from the clock."""
+
+    def __init__(self, trainer, val: torch.Tensor, args, rank: int, world: int) -> None:
+        self.trainer, self.val, self.rank, self.world = trainer, val, rank, world
+        self.every, self.iters, self.mbs = args.eval_every, args.eval_iters, args.micro_batch
+        self.tokens_per_step = args.micro_batch * args.gas * world * args.block_size
+        self.records = open(args.log_json, "a") if (args.log_json and rank == 0) else None
+        self.start, self.eval_s, self.train_s, self.first_step = time.perf_counter(), 0.0, 0.0, None
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.start - self.eval_s
+
+    def write(self, **record) -> None:
+        if self.records:
+            self.records.write(json.dumps(record) + "\n")
+            self.records.flush()
+
+    def validate(self, step: int) -> float:
         t0 = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.slow != 1.0:
-            compute = time.perf_counter() - t0 - ((stats.wait_seconds - waited) if stats is not None else 0.0)
-            time.sleep((self.slow - 1.0) * max(compute, 0.0))
+        loss = evaluate(self.trainer.model, self.val, self.iters, self.mbs, self.rank, self.world,
+                        self.trainer.args.device)
+        self.eval_s += time.perf_counter() - t0
+        self.write(step=step, train_s=self.train_s, val_loss=loss, tokens=step * self.tokens_per_step)
+        if self.rank == 0:
+            print(f"step {step}: val loss {loss:.4f}", flush=True)
         return loss
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.first_step is None:  # the clock starts with the first step (after a resume's loading)
+            self.start, self.eval_s, self.first_step = time.perf_counter(), 0.0, state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.train_s = self.clock()
+        if self.every and state.global_step % self.every == 0 and state.global_step != state.max_steps:
+            self.validate(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:
+            return
+        step, seconds = state.global_step, self.train_s  # the clock at the end of that step
+        self.write(step=step, train_s=seconds, loss=logs["loss"], tokens=step * self.tokens_per_step)
+        if self.rank == 0:
+            done = (step - self.first_step) * self.tokens_per_step
+            print(f"step {step}/{state.max_steps} | loss {logs['loss']:.4f} | lr {logs.get('learning_rate', 0):.2e} | "
+                  f"{done / max(seconds, 1e-9):,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.records:
+            self.records.close()
 
 
 def parse_slow(text: str) -> dict:
@@ -131,8 +233,9 @@ def number(kind, lo):
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--deepspeed", required=True,
-                    help="DeepSpeed JSON with a \"lowcomm\" section and \"auto\" values (ds_configs/hf/)")
+    ap.add_argument("--deepspeed", default=None,
+                    help="DeepSpeed JSON with a \"lowcomm\" section and \"auto\" values (ds_configs/hf/); "
+                         "without it, the Trainer's plain DDP")
     ap.add_argument("--model", default=None, help="NAME_OR_PATH of a causal LM; default: small GPT-2 from config")
     ap.add_argument("--data", default=None, help=".jsonl instructions/documents or a text file")
     ap.add_argument("--output-dir", default="runs/finetune_hf")
@@ -140,12 +243,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=number(int, 1), default=8, help="sequences per rank and micro-batch")
     ap.add_argument("--gas", type=number(int, 1), default=4, help="gradient accumulation steps")
     ap.add_argument("--block-size", type=number(int, 1), default=128)
+    ap.add_argument("--n-layer", type=number(int, 1), default=4, help="default model: transformer blocks")
+    ap.add_argument("--n-head", type=number(int, 1), default=4, help="default model: attention heads")
+    ap.add_argument("--n-embd", type=number(int, 1), default=128, help="default model: width")
     ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
     ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     ap.add_argument("--slow-ranks", type=parse_slow, default={}, metavar="RANK:FACTOR[,...]")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    ap.add_argument("--val-fraction", type=fraction, default=0.05, help="tail of the blocks held out")
+    ap.add_argument("--eval-every", type=number(int, 0), default=0,
+                    help="steps between validations (0: after training only)")
+    ap.add_argument("--eval-iters", type=number(int, 1), default=10, help="micro-batches per rank per validation")
+    ap.add_argument("--log-every", type=number(int, 1), default=None, help="steps between logs (default: a tenth)")
+    ap.add_argument("--log-json", default=None, metavar="FILE",
+                    help="rank 0 appends one JSON record per logged step and validation")
+    args = ap.parse_args(argv)
+    if not args.model and args.n_embd % args.n_head:
+        ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    return args
 
 
 def main() -> None:
@@ -160,10 +276,18 @@ def main() -> None:
     else:
         tok = ByteTokenizer()
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=tok.vocab_size, n_positions=args.block_size, n_embd=128, n_layer=4, n_head=4,
+            vocab_size=tok.vocab_size, n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
+            n_head=args.n_head,
             bos_token_id=tok.pad_token_id, eos_token_id=tok.pad_token_id))
         encode, eos = tok, tok.pad_token_id
     dataset = Blocks(read_records(args.data), encode, eos, args.block_size)
+    n_val = int(len(dataset) * args.val_fraction)
+    if n_val < 1 or n_val >= len(dataset):
+        raise SystemExit(f"error: {len(dataset)} blocks of {args.block_size} tokens: --val-fraction "
+                         f"{args.val_fraction:g} leaves {n_val} for validation and {len(dataset) - n_val} "
+                         f"for training; both need at least one (give more --data or change --val-fraction)")
+    val = dataset.data[len(dataset) - n_val:]
+    dataset.data = dataset.data[: len(dataset) - n_val]
 
     slow = args.slow_ranks.get(rank, 1.0)
     targs = transformers.TrainingArguments(
@@ -171,25 +295,49 @@ def main() -> None:
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.gas,
         learning_rate=args.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
         warmup_steps=max(1, args.max_steps // 10), lr_scheduler_type="cosine",
-        logging_steps=max(1, args.max_steps // 10),
+        logging_steps=args.log_every or max(1, args.max_steps // 10),
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), disable_tqdm=True)
-    trainer = SlowRankTrainer(model=model, args=targs, train_dataset=dataset, slow=slow)
+    if slow != 1.0:
+        slow_down(model, slow)
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset)
+    world = targs.world_size
+    log = ValidationLog(trainer, val, args, rank, world)
+    trainer.add_callback(log)
     if slow != 1.0:
         print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(f"{args.output_dir}/final")  # under ds_lowcomm: flushes the last update first
+    val_loss = log.validate(out.global_step)  # after the flush: the weights with every update
+    log.close()
     engine = trainer.model_wrapped
     lowcomm = engine.comm_stats() if hasattr(engine, "comm_stats") else {}
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    steps_run = out.global_step - (log.first_step or 0)  # by this process (after a resume: since it)
+    tokens = out.global_step * log.tokens_per_step
+    peak_rss_mb = all_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, targs.device, "max")
     if rank == 0:
         print(json.dumps({"engine": type(engine).__name__, "config": args.deepspeed, "steps": out.global_step,
                           "train_seconds": out.metrics["train_runtime"], "train_loss": out.training_loss,
                           "final_logged_loss": losses[-1] if losses else None,
                           "bytes_sent_per_step": lowcomm.get("bytes_sent_per_step"),
                           "exposed_comm_s_per_step": lowcomm.get("wait_seconds_per_step"),
-                          "slow_ranks": {str(k): v for k, v in args.slow_ranks.items()}}), flush=True)
+                          "slow_ranks": {str(k): v for k, v in args.slow_ranks.items()},
+                          # the schema of examples/train.py's result line (ds_lowcomm.bench reads it);
+                          # the clock excludes validation; tokens: those the loop handed out
+                          "world_size": world, "val_loss": val_loss,
+                          "final_train_loss": losses[-1] if losses else float("nan"),
+                          "tokens": tokens, "train_s": log.train_s,
+                          "tokens_per_s": steps_run * log.tokens_per_step / log.train_s if log.train_s else float("nan"),
+                          "step_time_s": log.train_s / steps_run if steps_run else float("nan"),
+                          "bytes_sent_per_rank_per_step": lowcomm.get("bytes_sent_per_step"),
+                          "bytes_received_per_rank_per_step": lowcomm.get("bytes_received_per_step"),
+                          "comm_wait_s_per_step": lowcomm.get("wait_seconds_per_step"),
+                          "micro_batches_per_round": lowcomm.get("micro_batches_per_round"),
+                          "computed_share_by_rank": lowcomm.get("computed_share_by_rank"),
+                          "link_bytes_per_rank_per_step": None, "peak_rss_mb": peak_rss_mb,
+                          "params": sum(p.numel() for p in model.parameters())}), flush=True)
 
 
 if __name__ == "__main__":

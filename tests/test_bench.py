@@ -238,3 +238,44 @@ def test_checkpoint_bench_tiny(tmp_path):
         # the formula, plus metadata (pickle and zip headers, DeepSpeed's config: tens of kB)
         assert per_param * r["params"] <= r["checkpoint_bytes"] <= per_param * r["params"] + 80_000, (
             label, r["checkpoint_bytes"] / r["params"])
+
+
+def test_bench_uneven_trainer_tiny(tmp_path):
+    """`--regime uneven-trainer`: the Hugging Face Trainer (examples/finetune_hf.py) with rank 1 3x
+    slower, every entry (zero1 paced by the fastest rank, zero1-slowest, acco, stock DeepSpeed,
+    the Trainer's DDP), the results schema, and the default target from zero1-slowest."""
+    modes = ["zero1", "zero1-slowest", "acco", "deepspeed", "ddp"]
+    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--regime", "uneven-trainer", "--model", "tiny",
+                           "--budgets", "2", "--micro-batch", "2", "--gas", "2", "--eval-iters", "1", "--evals", "2",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ddp: no DeepSpeed (the Trainer's DDP)" in proc.stdout
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["mode"] for r in result["runs"]] == modes  # the regime's default --modes
+    config = result["config"]
+    assert config["regime"] == "uneven-trainer" and config["slow_rank"] == "1:3" and config["bandwidth"] is None
+    for run in result["runs"]:
+        for key, types in SCHEMA.items():
+            assert isinstance(run[key], types), (run["mode"], key, run[key])
+        assert run["steps"] == 2 and run["world_size"] == 2 and run["tokens"] == 2 * 2 * 2 * 2 * 32
+        log = (tmp_path / "logs" / f"{run['mode']}.2.0.log").read_text()
+        assert "rank 1: slowed down 3x" in log, run["mode"]
+        # train.py's records: a validation every step (1/2 of 2), off the training clock
+        vals = _val_records(tmp_path / "logs" / f"{run['mode']}.2.0.jsonl")
+        assert [v["step"] for v in vals] == [1, 2] and vals[0]["train_s"] <= vals[1]["train_s"], run["mode"]
+        assert vals[-1]["val_loss"] == run["val_loss"] and vals[-1]["tokens"] == run["tokens"]
+    by_mode = {r["mode"]: r for r in result["runs"]}
+    # the lowcomm modes report their bytes; the peers have no accounting
+    assert by_mode["zero1"]["bytes_sent_per_rank_per_step"] > 0 and by_mode["acco"]["bytes_sent_per_rank_per_step"] > 0
+    assert by_mode["ddp"]["bytes_sent_per_rank_per_step"] is None
+    assert by_mode["deepspeed"]["bytes_sent_per_rank_per_step"] is None
+    # the configs: zero1-slowest is hf/zero1.json paced by the slowest rank; deepspeed drops "lowcomm"
+    cfg = lambda mode: json.loads((tmp_path / "configs" / f"{mode}.2.json").read_text())
+    assert cfg("zero1-slowest")["lowcomm"] == {"mode": "zero1", "pace": "slowest"}
+    assert "pace" not in cfg("zero1")["lowcomm"] and "lowcomm" not in cfg("deepspeed")
+    assert not (tmp_path / "configs" / "ddp.2.json").exists()
+    assert config["target"] == pytest.approx(by_mode["zero1-slowest"]["val_loss"] * 1.0001, rel=1e-12)
+    assert config["target_source"].startswith("zero1-slowest's final val loss")
+    assert by_mode["zero1-slowest"]["step_to_target"] == 2
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {m} |" in table for m in modes) and "vs zero1-slowest" in table

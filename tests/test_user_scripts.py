@@ -4,11 +4,14 @@ Three ordinary scripts that never name ds_lowcomm (``tests/user_scripts``: a Tra
 transformers' run_clm.py, an accelerate script like run_clm_no_trainer.py, a plain DeepSpeed
 script), each started by its usual launcher in fresh interpreters of the *installed* package, with
 the shipped configs and batch sizes / learning rates of their own. In every cell of
-{Trainer, accelerate, DeepSpeed} x {zero1, acco, demo}: the engine is LowCommEngine, lowcomm's
-numbers reach the logs, the loss falls, checkpoints save every 10 steps and a run resumed from
-step 20 applies exactly the 10 updates left: the script's step count, DeepSpeed's ``global_steps``,
-the checkpoint tag, the AdamW step count and (Trainer) the LR schedule saved in each checkpoint
-agree. With ``DS_LOWCOMM_AUTOLOAD=0`` every cell stops before training, saying how to turn it on.
+{Trainer, accelerate, DeepSpeed} x {zero1, a bare ``{"mode": "acco"}``, demo}, with rank 1 three
+times slower (``SLOW_RANKS``, ``user_scripts/slow_device.py``) in the zero1 and acco cells of the
+two-rank scripts: the engine is LowCommEngine, lowcomm's numbers reach the logs, the loss falls,
+checkpoints save every 10 steps and a run resumed from step 20 applies exactly the 10 updates
+left: the script's step count, DeepSpeed's ``global_steps``, the checkpoint tag, the AdamW step
+count and the LR schedule saved in each checkpoint agree. Where the loop hands every rank the same
+micro-batches and the slowed rank paces (``lowcomm.pace``), its logged computed share is below 1.
+With ``DS_LOWCOMM_AUTOLOAD=0`` every cell stops before training, saying how to turn it on.
 
 One tokenizer and one text file serve the whole matrix; the model is a 1-layer GPT-2 built from
 its config in each script.
@@ -35,6 +38,9 @@ MODEL = "n_embd=32,n_layer=1,n_head=2,n_positions=32,resid_pdrop=0.0,embd_pdrop=
 STEPS, SAVE_EVERY, RESUME_AT = 30, 10, 20
 MODES = ("zero1", "acco", "demo")
 SCRIPT_KINDS = ("trainer", "accelerate", "deepspeed")
+#: acco as a user who adds one line to a config of their own writes it (its defaults follow the loop)
+BARE_ACCO = {"mode": "acco"}
+SLOW = "1:3"  # rank 1 three times slower, in the zero1 and acco cells of the two-rank scripts
 OFF_MESSAGE = "ds_lowcomm is not active (DS_LOWCOMM_AUTOLOAD=0). Unset DS_LOWCOMM_AUTOLOAD"
 
 
@@ -66,9 +72,13 @@ def _monitored(cfg: dict, out: Path) -> dict:
 def _command(kind, mode, assets, out: Path, nprocs: int, resume: bool):
     """The launcher command a user of this kind of script types."""
     if kind == "trainer":
+        cfg = json.loads((ROOT / "ds_configs" / "hf" / f"{mode}.json").read_text())
+        if mode == "acco":
+            cfg["lowcomm"] = BARE_ACCO
+        (out / "ds_config.json").write_text(json.dumps(cfg))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
                "--master_port", str(free_port()), str(SCRIPTS / "run_clm.py"),
-               "--deepspeed", str(ROOT / "ds_configs" / "hf" / f"{mode}.json"),
+               "--deepspeed", str(out / "ds_config.json"),
                "--model_type", "gpt2", "--config_overrides", MODEL, "--tokenizer_name", assets["tokenizer"],
                "--train_file", assets["data"], "--block_size", "32", "--output_dir", str(out),
                "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
@@ -78,6 +88,8 @@ def _command(kind, mode, assets, out: Path, nprocs: int, resume: bool):
         return cmd + (["--resume_from_checkpoint", str(out / f"checkpoint-{RESUME_AT}")] if resume else [])
     if kind == "accelerate":
         cfg = json.loads((ROOT / "ds_configs" / "hf" / f"{mode}.json").read_text())
+        if mode == "acco":
+            cfg["lowcomm"] = BARE_ACCO
         (out / "ds_config.json").write_text(json.dumps(_monitored(cfg, out)))
         (out / "accelerate.yaml").write_text(
             "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
@@ -95,6 +107,8 @@ def _command(kind, mode, assets, out: Path, nprocs: int, resume: bool):
     cfg = json.loads((ROOT / "ds_configs" / f"{mode}_zero1.json" if mode != "zero1" else
                       ROOT / "ds_configs" / "zero1.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    if mode == "acco":
+        cfg["lowcomm"] = BARE_ACCO
     (out / "ds_config.json").write_text(json.dumps(_monitored(cfg, out)))
     cmd = [str(BIN / "deepspeed"), "--num_accelerators", str(nprocs), "--master_port", str(free_port()),
            str(SCRIPTS / "train_deepspeed.py"), "--deepspeed", "--deepspeed_config", str(out / "ds_config.json"),
@@ -104,11 +118,15 @@ def _command(kind, mode, assets, out: Path, nprocs: int, resume: bool):
     return cmd + (["--resume_tag", f"global_step{RESUME_AT}"] if resume else [])
 
 
+def _slowed(kind, mode) -> bool:
+    return kind != "accelerate" and mode in ("zero1", "acco")  # (accelerate: one process here)
+
+
 def _run(kind, mode, assets, out: Path, nprocs=2, resume=False, env=None):
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1",
                HF_HUB_OFFLINE="1", HF_HOME=str(out.parent / "hf_home"), TOKENIZERS_PARALLELISM="false",
-               **(env or {}))
+               SLOW_RANKS=SLOW if _slowed(kind, mode) else "", **(env or {}))
     env.pop("PYTHONPATH", None)
     # From an empty directory: ds_lowcomm can only come from the installation, as for a user.
     cwd = out.parent / "cwd"
@@ -153,16 +171,26 @@ def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
         assert Path(r["lowcomm_module"]).resolve().is_relative_to(purelib), r["lowcomm_module"]
         assert r["engine_global_steps"] == STEPS
     r0 = _results(out, n)[0]
+    # The slowed rank ran some micro-batches forward only (lowcomm.pace), the fast one none; in a
+    # plain DeepSpeed loop acco computes while it waits instead (its balance).
+    paced = _slowed(kind, mode) and not (kind == "deepspeed" and mode == "acco")
     if kind == "trainer":
         logs = [e for e in r0["log"] if "loss" in e]
         assert [e["step"] for e in logs] == list(range(1, STEPS + 1))
         assert logs[-1]["loss"] < logs[0]["loss"]
         assert logs[-1]["lowcomm/bytes_sent_per_step"] > 0 and "lowcomm/exposed_comm_s_per_step" in logs[-1]
+        if paced:
+            shares = (logs[-1].get("lowcomm/computed_share/rank0"), logs[-1].get("lowcomm/computed_share/rank1"))
+            assert shares[0] == 1.0 and shares[1] is not None and shares[1] < 1.0, shares
     else:
         losses = r0["losses"]
         assert sum(losses[-4:]) < sum(losses[:4])
         monitor = out / "run" / "Train_lowcomm_bytes_sent_per_step.csv"  # DeepSpeed's CSV monitor
         assert monitor.is_file(), sorted(p.name for p in out.rglob("*.csv"))
+        if paced:
+            share = out / "run" / "Train_lowcomm_computed_share_rank1.csv"
+            assert share.is_file(), sorted(p.name for p in out.rglob("*.csv"))
+            assert float(share.read_text().split()[-1].split(",")[-1]) < 1.0
     # Every checkpoint's tag, DeepSpeed's step, the AdamW updates and the LR schedule agree.
     for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
         counts = _saved_counts(out, kind, step)

@@ -74,8 +74,11 @@ from ds_lowcomm.sharded_step import ShardedStepRound
 class AccoOptions:
     variant: str = option("acco", "'acco' (estimate + real round) or 'dpu' (delayed update)",
                           choices=("acco", "dpu"))
-    accumulate_while_waiting: bool = option(True, "keep computing micro-batches while a round is "
-                                            "in flight instead of waiting for it")
+    accumulate_while_waiting: Optional[bool] = option(
+        None, "keep computing micro-batches while a round is in flight instead of waiting for it; "
+        "null = follow the loop: on where DeepSpeed counts the micro-batches (engine.step() after "
+        "each), off where the loop marks its own accumulation boundaries (the Trainer, accelerate, "
+        "TRL), which could not count the steps otherwise")
     estimate_dtype: str = option("bf16", "'bf16': the estimate round reduce-scatters its gradient and "
                                  "all-gathers its parameter change in bf16 (half its bytes); 'fp32': "
                                  "in comm_dtype and the model dtype, as the paper", choices=("fp32", "bf16"))
@@ -83,9 +86,10 @@ class AccoOptions:
                                     "from the model's in bf16 (its gradient stays exact; the model then "
                                     "differs from the master by that change's rounding); 'fp32': the "
                                     "parameters themselves, in the model dtype", choices=("fp32", "bf16"))
-    balance: bool = option(True, "with accumulate_while_waiting: a rank slower than the fastest launches "
-                           "its rounds after fewer micro-batches (in proportion to its measured speed, "
-                           "at least one), so the fastest rank sets the pace instead of the slowest")
+    balance: Optional[bool] = option(None, "with accumulate_while_waiting: a rank slower than the fastest "
+                                     "launches its rounds after fewer micro-batches (in proportion to its "
+                                     "measured speed, at least one), so the fastest rank sets the pace "
+                                     "instead of the slowest; null = on with accumulate_while_waiting")
 
 
 def balanced_quota(per_round: int, paces: List[float], rank: int) -> int:
@@ -103,6 +107,11 @@ class Acco(Mode):
     Options = AccoOptions
     drives_steps = True
     has_rank_state = True
+    paces = True
+
+    @classmethod
+    def pace_block(cls, options: AccoOptions, gradient_accumulation_steps: int) -> int:
+        return gradient_accumulation_steps // 2 if options.variant == "acco" else gradient_accumulation_steps
 
     @classmethod
     def is_asynchronous(cls, options: AccoOptions) -> bool:
@@ -120,7 +129,7 @@ class Acco(Mode):
             raise LowCommConfigError(
                 f"lowcomm.acco.estimate_dtype: {cfg.mode_options.estimate_dtype!r} applies to the estimate "
                 "round of variant 'acco'; variant 'dpu' has none: leave estimate_dtype out")
-        if section.get("balance") is True and not cfg.mode_options.accumulate_while_waiting:
+        if section.get("balance") is True and cfg.mode_options.accumulate_while_waiting is False:
             raise LowCommConfigError(
                 "lowcomm.acco.balance: true needs accumulate_while_waiting (a rank that waits for "
                 "every round computes gradient_accumulation_steps/2 micro-batches per round whatever "
@@ -135,7 +144,7 @@ class Acco(Mode):
         # Micro-batches after which this rank may launch its next round: per_round, or fewer on a
         # slower rank under ``balance`` (set from every rank's pace as each round is installed).
         self.quota = self.per_round
-        self.balance = options.balance and options.accumulate_while_waiting
+        self.bind_loop(marks_boundaries=False)  # the engine binds the real loop before its first backward
         self.micro_batch_seconds: Deque[float] = deque(maxlen=8)  # this rank's latest, waits excluded
         self._compute_since: Optional[float] = None
         layout = ctx.flat.layout
@@ -162,6 +171,32 @@ class Acco(Mode):
 
     # -- schedule ---------------------------------------------------------------------------------
 
+    def bind_loop(self, marks_boundaries: bool) -> None:
+        """``accumulate_while_waiting`` follows the loop unless set: a loop that marks its own
+        boundaries counts one step per GAS micro-batches it hands out, so a rank that computed the
+        next step's micro-batches into this one would leave that loop's step N with fewer than N
+        updates (and its LR schedule off them); there, refused when set. Without it, the
+        :class:`~ds_lowcomm.pace.Pacer` lets the fastest rank set the pace; with it, ``balance``."""
+        o = self.options
+        aww = o.accumulate_while_waiting
+        if aww is None:
+            aww = not marks_boundaries
+        elif aww and marks_boundaries:
+            raise LowCommConfigError(
+                "lowcomm.acco.accumulate_while_waiting: true cannot run under this loop: it marks its own "
+                "accumulation boundaries (the Trainer, accelerate, TRL) and counts a step per "
+                "gradient_accumulation_steps micro-batches, which a rank computing while it waits would "
+                "put into earlier steps; remove the key (its default follows the loop)")
+        if o.balance and not aww:
+            raise LowCommConfigError(
+                "lowcomm.acco.balance: true needs accumulate_while_waiting, which this loop cannot use (it "
+                "marks its own accumulation boundaries); remove the key: lowcomm.pace lets the fastest "
+                "rank set the pace here")
+        self.aww = aww
+        self.balance = aww and o.balance is not False
+        if self.ctx.pacer is not None:
+            self.ctx.pacer.active = not aww
+
     def on_micro_batch_end(self, boundary: bool) -> None:
         """``boundary``: the loop said this micro-batch ends its step (accelerate and the Trainer
         say so before every backward); a DeepSpeed loop that calls ``engine.step()`` every
@@ -170,12 +205,11 @@ class Acco(Mode):
         if self._compute_since is not None:
             self.micro_batch_seconds.append(now - self._compute_since)
         self.since_switch += 1
-        if self.since_switch >= self.quota and (
-                not self.options.accumulate_while_waiting or self.inflight.ready()):
+        if self.since_switch >= self.quota and (not self.aww or self.inflight.ready()):
             self._switch()  # else: compute another micro-batch while the round runs
         pending = self.inflight.round
         step_open = self.since_switch or (pending is not None and pending.estimate)
-        if boundary and step_open and not self.options.accumulate_while_waiting:
+        if boundary and step_open and not self.aww:
             # The loop's step ended early (the Trainer's shorter last step of an epoch): take the
             # step now, so the loop's step count and ours stay equal; if its estimate round was
             # not launched yet, the step gets only its real round.
@@ -211,24 +245,40 @@ class Acco(Mode):
         rnd = self.inflight.install()
         if rnd is not None and rnd.rank_counts is not None:
             self.rank_round_counts.append(rnd.rank_counts)
-        if rnd is not None and rnd.rank_paces is not None and min(rnd.rank_paces) > 0:
-            self.quota = balanced_quota(self.per_round, rnd.rank_paces, self.ctx.topology.shard.rank)
+        if rnd is None or rnd.rank_paces is None:
+            return
+        if self.balance:
+            paces = [p[0] for p in rnd.rank_paces]
+            if min(paces) > 0:
+                self.quota = balanced_quota(self.per_round, paces, self.ctx.topology.shard.rank)
+        elif self.ctx.pacer is not None:
+            self.ctx.pacer.after_round(rnd.rank_paces, None if rnd.estimate else rnd.rank_weights)
 
     def _launch(self) -> None:
         grads = self.ctx.grads
         self.send.copy_(grads.buffer)
         count = grads.micro_batches
+        pacer = self.ctx.pacer if self.ctx.pacer is not None and self.ctx.pacer.active else None
+        if pacer is not None:
+            # Weights of the sums (cumulative over the step: an estimate's are its first half's)
+            # against what a rank is handed when nothing is dropped; the paces plan the next blocks.
+            gas = self.ctx.gradient_accumulation_steps
+            weighting = dict(weights=grads.weights.clone(), block=self.per_round if self.next_estimate else gas,
+                             local_paces=pacer.local_paces())
+            pacer.end_block()
+        else:
+            weighting = {}
         if not self.next_estimate:
             # A real round takes the whole step's sum (both halves); the estimate before it only
             # the first half, so the accumulator is cleared after real rounds only (clearing it
             # after estimates too would degrade ACCO to DPU).
             grads.zero_()
-        pace = None
         if self.balance:  # 0: not measured yet (the quota stays as it is)
             pace = statistics.median(self.micro_batch_seconds) if len(self.micro_batch_seconds) >= 3 else 0.0
+            weighting = dict(local_paces=[pace])
         cheap = self.next_estimate and self.estimate_delta is not None
         rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=count,
-                               local_pace=pace, estimate=self.next_estimate,
+                               estimate=self.next_estimate, **weighting,
                                wire_dtype=torch.bfloat16 if cheap else None,
                                delta=self.estimate_delta if self.next_estimate else self.real_delta)
         rnd.pack()
@@ -328,7 +378,8 @@ class Acco(Mode):
         checkpoint is written), their micro-batch count and this rank's schedule position."""
         grads = self.ctx.grads
         return {**rank_layout(self.ctx.topology), "accumulator": grads.buffer,
-                "micro_batches": grads.micro_batches, "since_switch": self.since_switch,
+                "micro_batches": grads.micro_batches, "weights": grads.weights.tolist(),
+                "since_switch": self.since_switch,
                 "round_counts": list(self.round_counts), "block_sizes": list(self.block_sizes)}
 
     def load_rank_state_dict(self, state: dict) -> None:
@@ -336,6 +387,8 @@ class Acco(Mode):
         grads = self.ctx.grads
         grads.buffer.copy_(state["accumulator"])
         grads.micro_batches = state["micro_batches"]
+        # (saved before weights existed: every micro-batch computed, each weighing 1)
+        grads.weights.copy_(torch.tensor(state.get("weights", [grads.micro_batches] * 2), dtype=torch.float64))
         self.since_switch = state["since_switch"]
         self.round_counts.clear()
         self.round_counts.extend(state["round_counts"])
@@ -359,3 +412,4 @@ class Acco(Mode):
             saved = shards.rank_state(rank)
             grads.buffer[:numel].add_(saved["accumulator"][:numel].to(grads.buffer.device))
             grads.micro_batches += int(saved["micro_batches"])
+            grads.weights.add_(torch.tensor(saved.get("weights", [saved["micro_batches"]] * 2), dtype=torch.float64))

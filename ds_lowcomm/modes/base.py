@@ -27,6 +27,9 @@ class Mode(abc.ABC):
     #: :meth:`rank_state_dict` returns state tied to this rank (a resume then needs the layout
     #: the checkpoint was saved with; the sharded state alone reshards)
     has_rank_state: ClassVar[bool] = False
+    #: ``lowcomm.pace: "fastest"`` works here: the mode's rounds carry the
+    #: :class:`~ds_lowcomm.pace.Pacer`'s weights and paces over the whole world
+    paces: ClassVar[bool] = False
 
     def __init__(self, ctx: ModeContext, options) -> None:
         self.ctx = ctx
@@ -41,6 +44,17 @@ class Mode(abc.ABC):
     def check_config(cls, ds: dict, cfg) -> None:
         """Reject settings this mode cannot run: ``ds`` the DeepSpeed JSON, ``cfg`` the parsed
         :class:`~ds_lowcomm.config.LowCommConfig` (raise ``LowCommConfigError``)."""
+
+    @classmethod
+    def pace_block(cls, options, gradient_accumulation_steps: int) -> int:
+        """Micro-batches per block the :class:`~ds_lowcomm.pace.Pacer` plans (one round's sums)."""
+        return gradient_accumulation_steps
+
+    def bind_loop(self, marks_boundaries: bool) -> None:
+        """Called once, before the first backward pass: whether the loop marks its own
+        accumulation boundaries (``set_gradient_accumulation_boundary``: the Trainer, accelerate,
+        TRL) or lets DeepSpeed count micro-batches (``engine.step()`` after each). Raise
+        ``LowCommConfigError`` for a setting this loop cannot run."""
 
     def on_backward_start(self, boundary: bool) -> None:
         """Called before every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""

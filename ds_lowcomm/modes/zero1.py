@@ -43,6 +43,7 @@ class Zero1(Mode):
 
     name = "zero1"
     Options = Zero1Options
+    paces = True
 
     def __init__(self, ctx: ModeContext, options: Zero1Options) -> None:
         super().__init__(ctx, options)
@@ -73,16 +74,25 @@ class Zero1(Mode):
             for ticket in self.buckets.tickets:  # a failed bucket raises here
                 ctx.worker.wait(ticket)
             reduced, self.buckets.out = self.buckets.out, None
-        rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer,
-                               scale=1.0 / ctx.topology.shard.world, reduced=reduced,
+        pacer = ctx.pacer
+        # Paced: the step's weights and every rank's paces ride on one small all-reduce; the
+        # sums are scaled by what was computed (1/W exactly when everything was).
+        weighting = (dict(local_count=ctx.grads.micro_batches, weights=ctx.grads.weights,
+                          local_paces=pacer.local_paces()) if pacer is not None
+                     else dict(scale=1.0 / ctx.topology.shard.world))
+        rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, reduced=reduced,
                                own_finite=self.buckets.own_finite if self.buckets is not None else None,
-                               gather=self.gathers is None)
+                               gather=self.gathers is None, **weighting)
         rnd.pack()
         ctx.worker.wait(ctx.worker.submit(rnd))
         rnd.install()
+        if pacer is not None:
+            pacer.after_round(rnd.rank_paces, rnd.rank_weights)
         if self.gathers is not None:
             self.gathers.start(rnd.out)  # the next forward waits for them, module by module
         ctx.grads.zero_()
+        if pacer is not None:
+            pacer.end_block()
         ctx.step_taken()
 
     def settle(self) -> None:
