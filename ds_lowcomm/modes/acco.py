@@ -18,9 +18,13 @@ first; zeroing after an estimate too would degrade ACCO to DPU. When the loop en
 epoch can be short) and ``accumulate_while_waiting`` is off, the step's real round is launched
 there, without an estimate if none was launched yet, so the loop's steps and ours stay equal.
 
-``accumulate_while_waiting`` (default): a rank whose round is still in flight at a switch keeps
-computing micro-batches instead of waiting; the counts are all-reduced in the round and the sum is
-divided by the global count, so every micro-batch weighs the same whoever computed it.
+``accumulate_while_waiting`` (default where DeepSpeed counts the micro-batches, ``engine.step()``
+after each; off, and refused when set, where the loop marks its own accumulation boundaries, see
+:meth:`Acco.bind_loop`): a rank whose round is still in flight at a switch keeps computing
+micro-batches instead of waiting; the counts are all-reduced in the round and the sum is divided
+by the global count, so every micro-batch weighs the same whoever computed it. Without it the
+:class:`~ds_lowcomm.pace.Pacer` lets the fastest rank set the pace: a slower rank runs the rest of
+each round's micro-batches forward only, and the round weights the sum by what was computed.
 
 ``balance`` (default, with ``accumulate_while_waiting``): on uneven hardware the slowest rank would
 still set the pace, since a round cannot start before every rank has its GAS/2 micro-batches.
