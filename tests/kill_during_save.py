@@ -13,8 +13,13 @@ fresh job (so a previous checkpoint exists), 1 to 3 in a resumed one. Then:
 * ``latest`` must name the checkpoint being saved or the previous one (the new one whenever a
   rank returned from the save);
 * a fresh 2-rank job must ``load_checkpoint`` latest without error, at that step, with exactly the
-  parameters each rank logged just before saving it, and train with finite losses (2 steps, or 1
-  when it is killed in its first save).
+  parameters (model and fp32 master) each rank logged just before saving it, and train with
+  finite losses (2 steps, or 1 when it is killed in its first save). When the killed save re-used
+  the tag latest already named (the step count had not moved since the previous save, as under
+  acco, whose switches change the model but not the step; or a user's second save at one step),
+  that tag may hold the previous save of it (killed before the new one was swapped in) or the
+  killed one (after): either, the same on both ranks, and only the killed one once a rank
+  returned from it; anything else (a mix, a torn file, an older save) fails.
 
 That fresh job is the next trial's killed job: it trains on, saving into the same directory (and
 re-saving the torn tag of the killed save), and is killed in turn; a last job only resumes. After
@@ -25,8 +30,14 @@ transformers (each rank is a new process with its own process group): a job star
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. \\
         python tests/kill_during_save.py --trials 20 --modes zero1,acco,demo,desloc [--seed S] [--json out.json]
+        python tests/kill_during_save.py --trials 4 --modes zero1,acco,desloc --seeds 0-19 [--resave]
 
-Prints a line per trial and a table per mode; exits 1 if any trial failed.
+``--resave``: every save point saves twice, flushing between (a user's second save at one step;
+under acco the flush changes the model, not the step), and each kill is in a second save, so
+every trial kills a re-save of the tag ``latest`` names.
+
+Prints a line per trial and a table per mode (per seed, then the totals and the failures by seed
+with ``--seeds``); exits 1 if any trial failed. tests/test_kill_during_save.py runs a few seeds.
 """
 from __future__ import annotations
 
@@ -162,6 +173,18 @@ def child_entry(plan: dict, rank: int, port: int, events, log_path: str) -> None
     child(plan)
 
 
+def digest(engine) -> str:
+    """The model's parameters and the fp32 master (DeepSpeed's model file holds the one, the
+    ranks' files the other: a checkpoint mixing two saves shows in either). Collective."""
+    import hashlib
+
+    import workers
+
+    master = engine.optimizer.master_weights()
+    return hashlib.sha256((workers.params_digest(engine) + ":").encode()
+                          + master.detach().float().cpu().numpy().tobytes()).hexdigest()
+
+
 def child(plan: dict) -> None:
     import torch
 
@@ -188,7 +211,7 @@ def child(plan: dict) -> None:
             emit(ev="load_error", error=str(err))
             os._exit(2)
         data_step = client["data_step"]
-        emit(ev="loaded", tag=tag, step=engine.global_steps, digest=workers.params_digest(engine))
+        emit(ev="loaded", tag=tag, step=engine.global_steps, digest=digest(engine))
     else:
         emit(ev="fresh")
     target = plan.get("save_index")  # the save this job is killed in; None: the last job
@@ -209,27 +232,35 @@ def child(plan: dict) -> None:
                 emit(ev="never_killed")
                 os._exit(3)
             continue
-        # The step the tag will name and the weights the checkpoint will hold: settle() first,
-        # as save_checkpoint does (it changes no weight; under acco it aligns the ranks' steps).
-        engine.optimizer.settle()
-        step = engine.global_steps
-        emit(ev="digest", step=step, digest=workers.params_digest(engine))
-        saves += 1
-        if victim and plan["how"] == "io" and saves == target:
-            # The n-th point of this save, n drawn over the points of the previous one.
-            n = 1 + int(plan["io_u"] * (counts[-1] if counts else plan["io_points"][str(rank)]))
-            io.kill_at = (n, plan["io_when"])
-        emit(ev="save_begin", index=saves, step=step, t=time.time())
-        io.in_save, io.count = True, 0
-        t0 = time.time()
-        engine.save_checkpoint(save_dir, client_state={"data_step": data_step})
-        io.in_save = False
-        counts.append(io.count)
-        emit(ev="save_end", index=saves, step=step, dur=time.time() - t0, points=io.count)
-        if victim and saves == target and plan["how"] == "io":
-            # The drawn point was past this save's last one: die right after it.
-            emit(ev="io_kill", point="after the save returned", n=io.count + 1)
-            os.kill(os.getpid(), signal.SIGKILL)
+        for again in range(2 if plan.get("resave") else 1):
+            if again:
+                if target is not None and saves >= target:
+                    break
+                # --resave: a user's second save at one step, after a flush (acco: the model gets
+                # the master in place of its estimate; the step count stays): the same tag,
+                # other weights. The kill is in such a save.
+                engine.optimizer.flush()
+            # The step the tag will name and the weights the checkpoint will hold: settle() first,
+            # as save_checkpoint does (it changes no weight; under acco it aligns the ranks' steps).
+            engine.optimizer.settle()
+            step = engine.global_steps
+            emit(ev="digest", index=saves + 1, step=step, digest=digest(engine))
+            saves += 1
+            if victim and plan["how"] == "io" and saves == target:
+                # The n-th point of this save, n drawn over the points of the previous one.
+                n = 1 + int(plan["io_u"] * (counts[-1] if counts else plan["io_points"][str(rank)]))
+                io.kill_at = (n, plan["io_when"])
+            emit(ev="save_begin", index=saves, step=step, t=time.time())
+            io.in_save, io.count = True, 0
+            t0 = time.time()
+            engine.save_checkpoint(save_dir, client_state={"data_step": data_step})
+            io.in_save = False
+            counts.append(io.count)
+            emit(ev="save_end", index=saves, step=step, dur=time.time() - t0, points=io.count)
+            if victim and saves == target and plan["how"] == "io":
+                # The drawn point was past this save's last one: die right after it.
+                emit(ev="io_kill", point="after the save returned", n=io.count + 1)
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- parent -------------------------------------------------------------------------------------
@@ -355,9 +386,12 @@ def draw_plan(rng: random.Random, resumed: bool) -> dict:
     return plan
 
 
-def check_resume(job, plan: dict, expect: dict) -> list:
-    """Problems with a resumed job's load, against what the killed job left (empty: resumed)."""
-    problems = []
+def check_resume(job, plan: dict, expect: dict) -> tuple:
+    """Problems with a resumed job's load, against what the killed job left (empty: resumed), and
+    which save it resumed: "new" (the killed one), "previous" (the complete one before it, maybe
+    of the same tag), "either" (a re-saved tag whose two saves had the same weights), or None
+    (not resumed)."""
+    problems, which = [], []
     for r in range(2):
         errs = job.of(r, "load_error")
         if errs:
@@ -370,15 +404,26 @@ def check_resume(job, plan: dict, expect: dict) -> list:
         got = loaded[0]
         if got["tag"] != expect["tag"] or f"global_step{got['step']}" != expect["tag"]:
             problems.append(f"rank {r}: loaded {got['tag']} at step {got['step']}, expected {expect['tag']}")
-        elif got["digest"] != expect["digests"][r]:
-            problems.append(f"rank {r}: parameters after load differ from those logged before saving "
-                            f"{expect['tag']}")
+        else:
+            matched = [label for label, digests in expect["candidates"] if digests[r] == got["digest"]]
+            if not matched:
+                problems.append(f"rank {r}: parameters after load differ from those logged before "
+                                f"{' and '.join(l for l, _ in expect['candidates']) or 'any save'} of "
+                                f"{expect['tag']}")
+            # Both, when the killed save had the previous one's weights (zero1's re-save: nothing
+            # changed in between): which of them the tag holds does not show.
+            which.append(None if not matched else matched[0] if len(matched) == 1 else "either")
         # Every step after the load; 2 at least unless the job was killed in its first save.
         losses = [e["loss"] for e in job.of(r, "loss")]
-        need = 1 if plan.get("save_index") == 1 else 2
+        need = 1 if plan.get("save_index") == (2 if plan.get("resave") else 1) else 2
         if len(losses) < need or not all(isinstance(l, float) and math.isfinite(l) for l in losses):
             problems.append(f"rank {r}: the steps after the load gave losses {losses}")
-    return problems
+    specific = sorted({w for w in which if w not in (None, "either")})
+    if len(specific) > 1:
+        problems.append(f"the ranks loaded different saves of {expect['tag']}: rank 0 {which[0]}, rank 1 {which[1]}")
+    resumed = None if len(which) < 2 or None in which or len(specific) > 1 else specific[0] if specific else "either"
+    return problems, (None if resumed is None else "new" if resumed == expect["new"]
+                      else resumed if resumed == "either" else "previous")
 
 
 def judge_kill(job, plan: dict, save_dir: str, res: dict) -> tuple:
@@ -414,19 +459,32 @@ def judge_kill(job, plan: dict, save_dir: str, res: dict) -> tuple:
         problems.append(f"latest names {latest!r}, expected {prev} or {new}")
     elif finished and latest != new:
         problems.append(f"rank(s) {finished} returned from saving {new} but latest names {latest}")
-    # The parameters each rank logged just before saving that step, in this job.
-    digests = {}
-    for r in range(2):
-        logged = [e["digest"] for e in job.of(r, "digest") if f"global_step{e['step']}" == latest]
-        logged = logged or [e["digest"] for e in job.of(r, "loaded") if e["tag"] == latest]
-        digests[r] = logged[-1] if logged else None
-    # "same": the killed save re-saved the tag latest already named (the step count had not moved
-    # since the previous save, as happens under acco), so it was overwriting the previous checkpoint.
-    which = "same" if prev == new else "new" if latest == new else "previous"
-    return {"tag": latest, "digests": digests, "which": which}, problems, info
+    # What the checkpoint latest names may hold: the last complete save of that tag (this job's
+    # last earlier save of it, or the one this job loaded) and, if latest names the killed save's
+    # tag, the killed save itself. A tag is re-saved when the step count has not moved since its
+    # previous save (under acco, or a user's second save at one step): the killed save is then
+    # written beside the tag and swapped in whole, so the tag holds either the previous save of it
+    # (killed before the swap) or the killed one (after it), never a mix. Once a rank returned from
+    # the killed save, only the killed save. Each candidate: the digests each rank logged.
+    candidates = []  # (label, {rank: digest})
+    if loaded and loaded[0]["tag"] == latest:
+        candidates.append(("loaded", {r: next((e["digest"] for e in job.of(r, "loaded")), None)
+                                      for r in range(2)}))
+    for i in sorted(steps):
+        if i < k and f"global_step{steps[i]}" == latest:
+            candidates.append((f"save {i}", {r: next((e["digest"] for e in job.of(r, "digest") if e["index"] == i),
+                                                     None) for r in range(2)}))
+    candidates = candidates[-1:]  # superseded: any earlier complete save of that tag
+    if latest == new:
+        if finished or prev != new:
+            candidates = []  # latest was written by (or after the swap of) the killed save
+        candidates.append((f"save {k}", {r: next((e["digest"] for e in job.of(r, "digest") if e["index"] == k),
+                                                 None) for r in range(2)}))
+    info["same_tag"] = prev == new
+    return {"tag": latest, "candidates": candidates, "new": f"save {k}"}, problems, info
 
 
-def run_mode(ctx, mode: str, trials: int, rng: random.Random, workdir: str, job_ids) -> list:
+def run_mode(ctx, mode: str, trials: int, rng: random.Random, workdir: str, job_ids, resave: bool = False) -> list:
     results = []
     chain = 0
     save_dir = os.path.join(workdir, f"{mode}_chain{chain}")
@@ -435,14 +493,18 @@ def run_mode(ctx, mode: str, trials: int, rng: random.Random, workdir: str, job_
     measured = {"save_s": 0.5, "io_points": {"0": 20, "1": 10}}
     while pending is not None or len(results) < trials:
         plan = draw_plan(rng, pending is not None) if len(results) + (pending is not None) < trials else {}
+        if resave and "save_index" in plan:
+            plan["save_index"] *= 2  # the second save at the drawn save point (its tag re-saved)
         plan.update(mode=mode, save_dir=save_dir, resume=pending is not None, job=next(job_ids),
-                    **measured)
+                    resave=resave, **measured)
         t0 = time.monotonic()
         res = run_job(ctx, plan, workdir)
         job = res["job"]
         if pending is not None:
             trial, pending = pending, None
-            problems = trial["problems"] + check_resume(job, plan, trial.pop("expect"))
+            found, which = check_resume(job, plan, trial.pop("expect"))
+            problems = trial["problems"] + found
+            trial["which"] = which
             if plan.get("victim") is None and any(rc != 0 for rc in res["rcs"]):
                 problems.append(f"the last job exited with {res['rcs']}; its log: {job.log_tail(0)}")
             trial.update(ok=not problems, problems=problems, resume_s=round(time.monotonic() - t0, 1))
@@ -471,7 +533,7 @@ def run_mode(ctx, mode: str, trials: int, rng: random.Random, workdir: str, job_
             chain += 1
             save_dir = os.path.join(workdir, f"{mode}_chain{chain}")
             continue
-        trial.update(which=expect["which"], expect=expect, problems=problems)
+        trial.update(which=None, expect=expect, problems=problems)
         pending = trial
     return results
 
@@ -486,57 +548,101 @@ def print_trial(mode: str, t: dict) -> None:
         where += " (after the save returned)"
     status = "OK  " if t["ok"] else "FAIL"
     print(f"{status} {mode:6s} #{t['trial']:02d} kill rank {t['victim']} in save {t['save_index']} "
-          f"({t.get('new')}) at {where}; latest={t.get('latest')} -> resumed {t.get('which')}; "
+          f"({t.get('new')}{', re-saving latest' if t.get('same_tag') else ''}) at {where}; "
+          f"latest={t.get('latest')} -> resumed {t.get('which')}; "
           f"survivor rc={t.get('survivor_rc')} after {t.get('survivor_s')}s", flush=True)
     for p in t["problems"]:
         print(f"     problem: {p}", flush=True)
 
 
+COLUMNS = [("trials", "trials"), ("resumed_ok", "resumed OK"), ("new", "resumed new"),
+           ("previous", "resumed previous"), ("either", "resumed either"), ("same_tag", "re-saved latest tag"),
+           ("in_save", "killed inside the save"), ("io_kills", "io-point kills"),
+           ("time_kills", "random-time kills"), ("survivor_nonzero", "survivor exited non-zero"),
+           ("failed", "failed")]
+
+
+def summarize(mode: str, rs: list) -> dict:
+    return {"mode": mode, "trials": len(rs), "resumed_ok": sum(r["ok"] for r in rs),
+            "new": sum(r["ok"] and r["which"] == "new" for r in rs),
+            "previous": sum(r["ok"] and r["which"] == "previous" for r in rs),
+            "either": sum(r["ok"] and r["which"] == "either" for r in rs),
+            "same_tag": sum(bool(r.get("same_tag")) for r in rs),
+            "in_save": sum(not r.get("after_save") for r in rs),
+            "io_kills": sum(r["how"] == "io" for r in rs),
+            "time_kills": sum(r["how"] == "time" for r in rs),
+            "survivor_nonzero": sum(r.get("survivor_rc") not in (None, 0) for r in rs),
+            "failed": sum(not r["ok"] for r in rs)}
+
+
+def print_table(summary: list) -> None:
+    print("\n" + "mode    " + " | ".join(title for _, title in COLUMNS))
+    for row in summary:
+        print(f"{row['mode']:7s} " + " | ".join(f"{row[k]:{len(title)}d}" for k, title in COLUMNS))
+
+
+def parse_seeds(spec: str) -> list:
+    """``"0-9"`` (a range, both ends included), ``"3,77,1000"``, or a mix: ``"0-4,77"``."""
+    seeds = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        seeds += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    return seeds
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=20, help="kills per mode")
+    ap.add_argument("--trials", type=int, default=20, help="kills per mode (per seed)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=None, help="draws of victims, kinds and points (default: random)")
+    ap.add_argument("--seeds", default=None, help="run every mode once per seed, e.g. 0-19 or 3,77: "
+                    "a table per seed, failures by seed, and the totals")
+    ap.add_argument("--resave", action="store_true", help="save twice at every save point, flushing "
+                    "between, and kill in a second save: a re-saved tag in every trial, whose weights "
+                    "changed under acco (past its first step) and demo")
     ap.add_argument("--json", default=None, help="write every trial and the summary here")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
     args = ap.parse_args(argv)
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
-    rng = random.Random(seed)
+    if args.seeds is not None:
+        seeds = parse_seeds(args.seeds)
+    else:
+        seeds = [args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)]
     # Before the fork server starts: its ranks inherit them.
     os.environ.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     workdir = tempfile.mkdtemp(prefix="kill_during_save_")
-    print(f"seed {seed}; checkpoints and logs in {workdir}", flush=True)
+    print(f"seed(s) {args.seeds or seeds[0]}; checkpoints and logs in {workdir}", flush=True)
     job_ids = iter(range(10 ** 6))
     t0 = time.monotonic()
-    results = {}
-    for mode in args.modes.split(","):
-        results[mode] = run_mode(ctx, mode, args.trials, rng, workdir, job_ids)
-    columns = [("trials", "trials"), ("resumed_ok", "resumed OK"), ("new", "resumed new"),
-               ("previous", "resumed previous"), ("same_tag", "re-saved latest tag"),
-               ("in_save", "killed inside the save"), ("io_kills", "io-point kills"),
-               ("time_kills", "random-time kills"), ("survivor_nonzero", "survivor exited non-zero"),
-               ("failed", "failed")]
-    summary = []
-    for mode, rs in results.items():
-        summary.append({"mode": mode, "trials": len(rs), "resumed_ok": sum(r["ok"] for r in rs),
-                        "new": sum(r["ok"] and r["which"] == "new" for r in rs),
-                        "previous": sum(r["ok"] and r["which"] == "previous" for r in rs),
-                        "same_tag": sum(r["which"] == "same" for r in rs),
-                        "in_save": sum(not r.get("after_save") for r in rs),
-                        "io_kills": sum(r["how"] == "io" for r in rs),
-                        "time_kills": sum(r["how"] == "time" for r in rs),
-                        "survivor_nonzero": sum(r.get("survivor_rc") not in (None, 0) for r in rs),
-                        "failed": sum(not r["ok"] for r in rs)})
-    print("\n" + "mode    " + " | ".join(title for _, title in columns))
-    for row in summary:
-        print(f"{row['mode']:7s} " + " | ".join(f"{row[k]:{len(title)}d}" for k, title in columns))
-    failed = sum(r["failed"] for r in summary)
-    print(f"\n{failed} failed trial(s); {time.monotonic() - t0:.0f}s; seed {seed}")
+    modes = args.modes.split(",")
+    by_seed = {}
+    for seed in seeds:
+        rng = random.Random(seed)  # a seed draws the same trials whatever the other seeds run
+        seed_dir = os.path.join(workdir, f"seed{seed}") if len(seeds) > 1 else workdir
+        os.makedirs(seed_dir, exist_ok=True)
+        if len(seeds) > 1:
+            print(f"\n-- seed {seed}", flush=True)
+        results = {mode: run_mode(ctx, mode, args.trials, rng, seed_dir, job_ids, args.resave) for mode in modes}
+        summary = [summarize(mode, rs) for mode, rs in results.items()]
+        print_table(summary)
+        by_seed[seed] = {"summary": summary, "trials": results}
+    totals = [summarize(mode, [r for s in by_seed.values() for r in s["trials"][mode]]) for mode in modes]
+    failed = sum(r["failed"] for r in totals)
+    if len(seeds) > 1:
+        print(f"\n== totals over {len(seeds)} seeds ({args.seeds})", end="")
+        print_table(totals)
+        bad = {seed: {row["mode"]: row["failed"] for row in s["summary"] if row["failed"]}
+               for seed, s in by_seed.items()}
+        bad = {seed: modes_ for seed, modes_ in bad.items() if modes_}
+        print("\nfailed trials by seed: " + (", ".join(f"{seed}: " + " ".join(f"{m} {n}" for m, n in ms.items())
+                                                     for seed, ms in bad.items()) or "none"))
+    print(f"\n{failed} failed trial(s); {time.monotonic() - t0:.0f}s; seed(s) {args.seeds or seeds[0]}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seed": seed, "summary": summary, "trials": results}, f, indent=1)
+            out = ({"seed": seeds[0], **by_seed[seeds[0]]} if args.seeds is None
+                   else {"seeds": seeds, "summary": totals, "by_seed": by_seed})
+            json.dump(out, f, indent=1)
     if failed or args.keep:
         print(f"kept {workdir}")
     else:

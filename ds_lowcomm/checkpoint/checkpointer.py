@@ -123,21 +123,26 @@ class Checkpointer:
     def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[str], Any]) -> Any:
         """``deepspeed_save(tag)`` (DeepSpeed's collective save, its ``latest`` switched off),
         then this rank's file, the manifest and ``latest``, in that order. A tag that already
-        exists (a second save at the same step) is written beside it and swapped in only once
-        complete, so the checkpoint it held stays loadable until then. Communication besides
+        exists (a second save at the same step; or only its previous content does, under
+        ``REPLACED``, left by a save of it killed mid-swap) is written beside it and swapped in
+        only once complete, so the checkpoint it held stays loadable until then. Communication besides
         DeepSpeed's: a few hundred bytes of file records and flags, and barriers; no optimizer
         state is gathered. With ``async_save`` this rank's state is copied (memory: one shard of
         state and the mode's per-rank state, until written) and the rest runs on the save thread;
         a previous background save is waited for first. Returns what ``deepspeed_save`` returned."""
         self.wait()
         tag_dir = os.path.join(save_dir, tag)
-        flag = [os.path.isdir(tag_dir)]
+        # The tag exists, or only its previous content does (a save killed between the swap's
+        # renames left it under REPLACED, which is what loads): staged either way, so that
+        # content is never deleted or overwritten before the new one is complete.
+        flag = [os.path.isdir(tag_dir) or os.path.isdir(tag_dir + REPLACED)]
         dist.broadcast_object_list(flag, src=0)  # one decision for every rank
         write_tag = tag + STAGING if flag[0] else tag
         write_dir = os.path.join(save_dir, write_tag)
-        if self.rank == 0:
-            for stale in (tag + STAGING, tag + REPLACED):  # left by a save killed earlier
-                shutil.rmtree(os.path.join(save_dir, stale), ignore_errors=True)
+        if self.rank == 0:  # left by a save killed earlier
+            shutil.rmtree(tag_dir + STAGING, ignore_errors=True)
+            if os.path.isdir(tag_dir):  # the tag is what loads: its previous content is garbage
+                shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
         dist.barrier()
         out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
         if not self.async_save:
@@ -190,8 +195,10 @@ class Checkpointer:
             write_manifest(write_dir, {k: v for r in everyone for k, v in r.items()})
             if write_dir != tag_dir:
                 # A kill between the renames leaves the old content under REPLACED, which load
-                # falls back to; after them, the new one under the tag.
-                os.rename(tag_dir, tag_dir + REPLACED)
+                # falls back to; after them, the new one under the tag. (The old content is
+                # already there when such a kill hit the previous save of this tag.)
+                if os.path.isdir(tag_dir):
+                    os.rename(tag_dir, tag_dir + REPLACED)
                 os.rename(write_dir, tag_dir)
                 fsync_parent_dir(tag_dir)
                 shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
