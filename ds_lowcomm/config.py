@@ -117,8 +117,9 @@ class LowCommConfig:
                                         "after which the run stops as diverged", minimum=1)
     pace: Optional[str] = option(None, "'fastest': a rank slower than the fastest runs some of the loop's "
                                  "micro-batches forward only, so the fastest rank sets the pace (the default "
-                                 "where the mode supports it); 'slowest': every rank computes every "
-                                 "micro-batch", choices=PACES)
+                                 "where the mode supports it and the loop marks its own accumulation "
+                                 "boundaries: the Trainer, accelerate, TRL); 'slowest': every rank "
+                                 "computes every micro-batch", choices=PACES)
     mode_options: Any = None
 
     @staticmethod

@@ -188,8 +188,8 @@ class LowCommEngine(DeepSpeedEngine):
         ``torch.no_grad`` (``lowcomm.pace``, :mod:`ds_lowcomm.pace`): the loop still gets the
         model's real outputs, and its backward is skipped."""
         opt = getattr(self, "optimizer", None)
-        if not (isinstance(opt, LowCommOptimizer) and opt.pacer is not None and self.module.training
-                and torch.is_grad_enabled()):
+        if not (isinstance(opt, LowCommOptimizer) and opt.pacer is not None and opt.pacer.active
+                and self.module.training and torch.is_grad_enabled()):
             return super().forward(*inputs, **kwargs)
         computed = opt.begin_micro_batch()
         encoder_decoder = bool(getattr(getattr(self.module, "config", None), "is_encoder_decoder", False))

@@ -14,14 +14,14 @@ offered weight summed over the ranks the reduced sum is multiplied by ``O / (C Â
 ranks nothing is dropped, ``O = C``, and the scale is ``1 / W`` bit for bit.
 
 Paces are each rank's seconds per micro-batch, fully computed and forward only (the least of its
-latest 8: what else runs on the host only ever slows a micro-batch down; waits for communication
-excluded), measured from the start of its forward pass to the
+latest 8, after its first 2: what else runs on the host only ever slows a micro-batch down; waits
+for communication excluded), measured from the start of its forward pass to the
 end of its backward pass (or of the forward, for one run forward only), on the device's clock
 (CUDA events, read once they have completed, never waited for) or the host's on CPU: what the
 loop does between micro-batches (logging, checkpoints) is the same on every rank and left out. They travel in the round's count all-reduce, so a rank plans the
 next block with every rank's paces from the last one. A rank plans to compute everything until
-paces are known, and whenever its block would take at most ``SLACK`` longer than the fastest
-rank's.
+paces are known, and while its micro-batches take at most ``TRIGGER`` times the fastest rank's
+(a smaller difference costs little, and on a CPU host noise could pass for it).
 """
 from __future__ import annotations
 
@@ -32,12 +32,17 @@ from typing import Deque, List, Optional, Sequence
 
 import torch
 
-#: a rank whose block would take at most this much longer than the fastest rank's computes all of it
+#: a rank paces only when its micro-batches take more than this many times the fastest rank's
+#: (below it, the cost is small and host noise, on CPU, could pass for a slower device)
+TRIGGER = 1.5
+#: a pacing rank plans its block to take at most this much longer than the fastest rank's
 SLACK = 0.25
 #: forward time / (forward + backward) assumed until a rank has measured a forward-only micro-batch
 FORWARD_SHARE = 1.0 / 3.0
-#: latest paces kept per kind (their least is shared)
+#: latest paces kept per kind (their least is shared, once there are this many)
 WINDOW = 8
+#: a rank's first micro-batches, which are slower than the rest (allocations, first kernels), not timed
+WARMUP = 2
 
 
 def pace_quota(n: int, full: float, forward: float, fastest: float, minimum: int = 0) -> int:
@@ -45,10 +50,11 @@ def pace_quota(n: int, full: float, forward: float, fastest: float, minimum: int
 
     ``full`` and ``forward``: this rank's seconds per micro-batch computed fully and forward only
     (0: not measured; ``forward`` is then taken as ``FORWARD_SHARE Â· full``); ``fastest``: the
-    fastest rank's ``full``. The largest count whose block takes at most ``(1 + SLACK)`` times the
-    fastest rank's block of ``n``, at least ``minimum``; ``n`` while a pace is unknown.
+    fastest rank's ``full``. ``n`` while a pace is unknown or this rank is at most ``TRIGGER``
+    times slower than the fastest; else the largest count whose block takes at most
+    ``(1 + SLACK)`` times the fastest rank's block of ``n``, at least ``minimum``.
     """
-    if full <= 0 or fastest <= 0:
+    if full <= 0 or fastest <= 0 or full <= TRIGGER * fastest:
         return n
     budget = n * fastest * (1.0 + SLACK)
     if n * full <= budget:
@@ -131,6 +137,7 @@ class Pacer:
         self._samples = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}  # by computed
         self._pending: Deque[tuple] = deque()  # (start, end, computed, waited) not yet read
         self._begun = None  # (mark, computed, wait_seconds) of the micro-batch in progress
+        self._seen = 0  # micro-batches ended since the start
         self.position = 0  # micro-batches begun in this block
         self.quota = block_size
         #: every rank's ``[full, forward]`` seconds per micro-batch from the latest round
@@ -149,10 +156,11 @@ class Pacer:
 
     def end_micro_batch(self) -> None:
         """The micro-batch's backward pass (or forward, run forward only) is done. Host only."""
-        if self._begun is not None:
+        self._seen += 1
+        if self._begun is not None and self._seen > WARMUP:
             start, computed, waited = self._begun
             self._pending.append((start, self._clock.mark(), computed, self._wait_seconds() - waited))
-            self._begun = None
+        self._begun = None
 
     def end_block(self) -> None:
         """A round has taken the block's sums: the next forward starts a new block."""
@@ -161,7 +169,7 @@ class Pacer:
     def local_paces(self) -> List[float]:
         """This rank's ``[full, forward]`` seconds per micro-batch (0 where not measured)."""
         self._read()
-        return [min(self._samples[k]) if len(self._samples[k]) >= 3 else 0.0
+        return [min(self._samples[k]) if len(self._samples[k]) == WINDOW else 0.0
                 for k in (True, False)]
 
     def after_round(self, rank_paces: Sequence[Sequence[float]],

@@ -23,7 +23,8 @@ def test_pace_quota():
     from ds_lowcomm.pace import pace_quota
 
     assert pace_quota(4, 0.0, 0.0, 1.0) == 4  # this rank's pace not measured yet
-    assert pace_quota(4, 1.2, 0.4, 1.0) == 4  # within the slack: everything computed
+    assert pace_quota(4, 1.2, 0.4, 1.0) == 4  # under 1.5x slower: everything computed
+    assert pace_quota(4, 1.6, 0.1, 1.0) == 3  # over it: planned to 1.25x the fastest's block
     assert pace_quota(4, 3.0, 1.0, 1.0) == 0  # 3x slower: forward only keeps up with the fastest
     assert pace_quota(4, 2.0, 2 / 3, 1.0) == 1  # 1·2 + 3·2/3 = 4 <= 5
     assert pace_quota(4, 2.0, 0.0, 1.0) == 1  # forward assumed a third of the micro-batch
@@ -78,12 +79,12 @@ def test_cuda_clock_reads_events_only_once_completed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     waited = [0.0]
     pacer = Pacer(4, 0, device=torch.device("cuda", 0), wait_seconds=lambda: waited[0])
-    for _ in range(3):
+    for _ in range(2 + 8):  # (the first two are not timed)
         assert pacer.begin_micro_batch()
         pacer.end_micro_batch()
     assert pacer.local_paces() == [0.0, 0.0]  # nothing completed: nothing read, nothing waited for
     _Event.done = True
-    assert pacer.local_paces() == [1.0, 0.0]  # three micro-batches of one "second" each, read now
+    assert pacer.local_paces() == [1.0, 0.0]  # eight micro-batches of one "second" each, read now
 
 
 def _forced(rank, world, cfg, tokens, keep):

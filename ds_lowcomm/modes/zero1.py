@@ -74,7 +74,7 @@ class Zero1(Mode):
             for ticket in self.buckets.tickets:  # a failed bucket raises here
                 ctx.worker.wait(ticket)
             reduced, self.buckets.out = self.buckets.out, None
-        pacer = ctx.pacer
+        pacer = ctx.pacer if ctx.pacer is not None and ctx.pacer.active else None
         # Paced: the step's weights and every rank's paces ride on one small all-reduce; the
         # sums are scaled by what was computed (1/W exactly when everything was).
         weighting = (dict(local_count=ctx.grads.micro_batches, weights=ctx.grads.weights,
