@@ -79,9 +79,11 @@ def test_cuda_clock_reads_events_only_once_completed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     waited = [0.0]
     pacer = Pacer(4, 0, device=torch.device("cuda", 0), wait_seconds=lambda: waited[0])
-    for _ in range(2 + 8):  # (the first two are not timed)
+    for i in range(2 + 8):  # (the first two are not timed)
         assert pacer.begin_micro_batch()
         pacer.end_micro_batch()
+        if i % 4 == 3:
+            pacer.end_block()
     assert pacer.local_paces() == [0.0, 0.0]  # nothing completed: nothing read, nothing waited for
     _Event.done = True
     assert pacer.local_paces() == [1.0, 0.0]  # eight micro-batches of one "second" each, read now
