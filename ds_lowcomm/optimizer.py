@@ -127,10 +127,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Called by the engine before the first backward pass: whether the loop marks its own
         accumulation boundaries (see :meth:`Mode.bind_loop`). No communication."""
         self.mode.bind_loop(marks_boundaries)
-        if self.pacer is not None and self.config.pace is None and not marks_boundaries:
+        if self.pacer is not None:
             # By default only where the loop hands every rank the same micro-batches per step it
             # counts (the Trainer, accelerate, TRL); elsewhere "pace": "fastest" asks for it.
-            self.pacer.active = False
+            self.pacer.active = self.mode.paces_in_loop() and (self.config.pace == "fastest" or marks_boundaries)
 
     def begin_micro_batch(self) -> bool:
         """Called by the engine as a training forward pass starts: whether it runs with

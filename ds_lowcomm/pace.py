@@ -18,8 +18,8 @@ latest 8, after its first 2: what else runs on the host only ever slows a micro-
 for communication excluded), measured from the start of its forward pass to the
 end of its backward pass (or of the forward, for one run forward only), on the device's clock
 (CUDA events, read once they have completed, never waited for) or the host's on CPU: what the
-loop does between micro-batches (logging, checkpoints) is the same on every rank and left out. They travel in the round's count all-reduce, so a rank plans the
-next block with every rank's paces from the last one. A rank plans to compute everything until
+loop does between micro-batches (logging, checkpoints) is the same on every rank and left out.
+They travel in the round's count all-reduce, so a rank plans the next block with every rank's paces from the last one. A rank plans to compute everything until
 paces are known, and while its micro-batches take at most ``TRIGGER`` times the fastest rank's
 (a smaller difference costs little, and on a CPU host noise could pass for it).
 """
@@ -45,14 +45,14 @@ WINDOW = 8
 WARMUP = 2
 
 
-def pace_quota(n: int, full: float, forward: float, fastest: float, minimum: int = 0) -> int:
+def pace_quota(n: int, full: float, forward: float, fastest: float) -> int:
     """Micro-batches of a block of ``n`` this rank computes fully, the rest forward only.
 
     ``full`` and ``forward``: this rank's seconds per micro-batch computed fully and forward only
     (0: not measured; ``forward`` is then taken as ``FORWARD_SHARE · full``); ``fastest``: the
     fastest rank's ``full``. ``n`` while a pace is unknown or this rank is at most ``TRIGGER``
     times slower than the fastest; else the largest count whose block takes at most
-    ``(1 + SLACK)`` times the fastest rank's block of ``n``, at least ``minimum``.
+    ``(1 + SLACK)`` times the fastest rank's block of ``n`` (0: all of it forward only).
     """
     if full <= 0 or fastest <= 0 or full <= TRIGGER * fastest:
         return n
@@ -63,7 +63,7 @@ def pace_quota(n: int, full: float, forward: float, fastest: float, minimum: int
     if fwd >= full:  # forward only saves nothing here
         return n
     m = math.floor((budget - n * fwd) / (full - fwd))
-    return max(minimum, min(n, m))
+    return max(0, min(n, m))
 
 
 def token_weight(kwargs: dict, encoder_decoder: bool) -> Optional[torch.Tensor]:
@@ -114,23 +114,21 @@ class Pacer:
     paces and weights travel in the rounds' count all-reduce).
 
     The engine calls :meth:`begin_micro_batch` as each forward pass starts and learns whether to
-    run it with gradients, and :meth:`end_micro_batch` after its backward pass; the mode calls :meth:`end_block` when a round takes the block's sums,
-    and :meth:`update` with every rank's paces (and :meth:`record` with every rank's weights) when
-    a round's result is installed.
+    run it with gradients, and :meth:`end_micro_batch` after its backward pass; the mode calls
+    :meth:`end_block` when a round takes the block's sums, and :meth:`after_round` with every
+    rank's paces and weights when a round's result is installed.
 
     Args:
         block_size: micro-batches per block (GAS for a step; GAS/2 for an acco round).
         rank: this rank's index in the round's group.
-        minimum: micro-batches a rank computes fully in every block whatever its pace.
         device: where the device clock runs (CUDA events on a GPU, the host's clock otherwise).
         wait_seconds: seconds this rank has waited for communication so far (excluded from paces).
     """
 
-    def __init__(self, block_size: int, rank: int, *, device: torch.device, wait_seconds,
-                 minimum: int = 0) -> None:
+    def __init__(self, block_size: int, rank: int, *, device: torch.device, wait_seconds) -> None:
         self.block_size = block_size
         self.rank = rank
-        self.minimum = minimum
+        #: set by the optimizer once it knows the loop (``LowCommOptimizer.bind_loop``)
         self.active = True
         self._clock = _CudaClock() if device.type == "cuda" else _HostClock()
         self._wait_seconds = wait_seconds
@@ -188,7 +186,7 @@ class Pacer:
             self.quota = self.block_size  # a rank's pace unknown: compute everything
             return
         full, forward = self.rank_paces[self.rank]
-        self.quota = pace_quota(self.block_size, full, forward, min(fastest), self.minimum)
+        self.quota = pace_quota(self.block_size, full, forward, min(fastest))
 
     def record(self, computed: Sequence[float], offered: Sequence[float]) -> None:
         """Every rank's computed and offered weight in a step (for :meth:`computed_shares`)."""

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from common import fraction, parse_slow_ranks, slow_down, slow_factor
+
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
@@ -98,35 +100,6 @@ class Blocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.data[i], "labels": self.data[i]}
-
-
-def slow_down(model: torch.nn.Module, factor: float) -> None:
-    """Emulates an accelerator ``factor`` times slower: each forward pass of ``model`` is followed by
-    a sleep of (factor - 1) times its work, the work of a forward with gradients counted as three
-    forwards (the backward costs about twice the forward), one without gradients as itself. Inside
-    the forward, so the device's own time per micro-batch (what ds_lowcomm's pace reads) grows."""
-    started = []
-
-    def before(module, args, kwargs):
-        started.append(time.perf_counter())
-
-    def after(module, args, kwargs, output):
-        work = (time.perf_counter() - started.pop()) * (3.0 if torch.is_grad_enabled() else 1.0)
-        time.sleep((factor - 1.0) * work)
-
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after, with_kwargs=True)
-
-
-def fraction(text: str) -> float:
-    """argparse type: a number strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"got {value:g}; must be between 0 and 1 (exclusive)")
-    return value
 
 
 def all_ranks(x: float, device, op: str = "sum") -> float:
@@ -211,13 +184,6 @@ class ValidationLog(transformers.TrainerCallback):
             self.records.close()
 
 
-def parse_slow(text: str) -> dict:
-    try:
-        return {int(r): float(f) for r, f in (item.split(":") for item in text.split(",") if item)}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected RANK:FACTOR[,RANK:FACTOR], e.g. 1:3")
-
-
 def number(kind, lo):
     """argparse type: an int or float >= ``lo``."""
     def parse(text: str):
@@ -249,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
     ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
-    ap.add_argument("--slow-ranks", type=parse_slow, default={}, metavar="RANK:FACTOR[,...]")
+    ap.add_argument("--slow-ranks", type=parse_slow_ranks, default={}, metavar="RANK:FACTOR[,...]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--val-fraction", type=fraction, default=0.05, help="tail of the blocks held out")
     ap.add_argument("--eval-every", type=number(int, 0), default=0,
@@ -289,7 +255,8 @@ def main() -> None:
     val = dataset.data[len(dataset) - n_val:]
     dataset.data = dataset.data[: len(dataset) - n_val]
 
-    slow = args.slow_ranks.get(rank, 1.0)
+    slow = slow_factor(args.slow_ranks, rank, int(os.environ.get("WORLD_SIZE", 1)))
+    slow_down(model, slow)
     targs = transformers.TrainingArguments(
         output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.gas,
@@ -299,8 +266,6 @@ def main() -> None:
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), disable_tqdm=True)
-    if slow != 1.0:
-        slow_down(model, slow)
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset)
     world = targs.world_size
     log = ValidationLog(trainer, val, args, rank, world)

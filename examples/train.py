@@ -23,6 +23,7 @@ import torch
 
 import deepspeed
 import ds_lowcomm  # noqa: F401  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
+from common import fraction, parse_slow_ranks, slow_down, slow_factor
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -80,20 +81,6 @@ def sample_batch(tokens: torch.Tensor, seed: int, step: int, micro: int, rank: i
 
 # -- arguments ------------------------------------------------------------------------------------
 
-def parse_slow_ranks(text: str) -> dict:
-    """``"1:3,2:1.5"`` -> ``{1: 3.0, 2: 1.5}``."""
-    out = {}
-    for part in filter(None, text.split(",")):
-        rank, _, factor = part.partition(":")
-        try:
-            out[int(rank)] = float(factor)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected RANK:FACTOR, e.g. 1:3") from None
-        if out[int(rank)] < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: FACTOR must be >= 1")
-    return out
-
-
 def at_least(lo: int):
     """argparse type: an integer >= ``lo``."""
     def parse(text: str) -> int:
@@ -105,17 +92,6 @@ def at_least(lo: int):
             raise argparse.ArgumentTypeError(f"got {value}; must be >= {lo}")
         return value
     return parse
-
-
-def fraction(text: str) -> float:
-    """argparse type: a number strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"got {value:g}; must be between 0 and 1 (exclusive)")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -149,7 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="report bytes that crossed the loopback interface during training (meaningful "
                          "only in a private network namespace, as ds_lowcomm.bench runs it)")
     ap.add_argument("--slow-ranks", type=parse_slow_ranks, default={}, metavar="RANK:FACTOR[,...]",
-                    help="emulate uneven hardware: these ranks take FACTOR times as long per micro-batch")
+                    help="emulate uneven hardware: these ranks' model runs FACTOR times as long (examples/common.py)")
     args = ap.parse_args(argv)
     if args.deepspeed is True or args.deepspeed is None:
         args.deepspeed = args.deepspeed_config
@@ -290,7 +266,8 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         say(f"resumed from {args.save_dir} at step {start}", flush=True)
 
     meter = ByteMeter(engine)
-    slow = args.slow_ranks.get(rank, 1.0)
+    slow = slow_factor(args.slow_ranks, rank, world)
+    slow_down(engine.module, slow)
     if slow != 1.0:
         print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
     losses, train_time, micro_batches = [], 0.0, 0
@@ -305,15 +282,12 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         total, k = 0.0, 0
         while engine.global_steps == step:
             xy = sample_batch(train_tokens, args.seed, step, k, rank, mbs, args.block_size).to(engine.device)
-            tc = time.perf_counter()
             loss = engine(xy[:, :-1], labels=xy[:, :-1]).loss
             engine.backward(loss)
             engine.step()
             total += loss.item()
             k += 1
             micro_batches += 1
-            if slow != 1.0:  # emulate a slower accelerator: stretch this micro-batch's compute
-                time.sleep((slow - 1.0) * (time.perf_counter() - tc))
         train_time += time.perf_counter() - t0
         losses.append(total / k)
         step = done = engine.global_steps

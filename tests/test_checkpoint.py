@@ -122,7 +122,19 @@ def _load_errors(rank, world, save_dir, empty_dir):
     fresh = workers.build_engine(workers.config("zero1"), seed=3)
     fresh.load_checkpoint(save_dir)
     errors["resave_loads_previous"] = torch.equal(fresh.optimizer.master_weights(), before)
-    fresh.save_checkpoint(save_dir, tag="again")
+    # The resumed run saves that tag again and is killed while writing its file: staged beside it
+    # again, the previous content under ".replaced" untouched, and still what loads.
+    workers.train(fresh, 1, start=2, rank=rank)
+    with mock.patch("ds_lowcomm.checkpoint.checkpointer.atomic_save", side_effect=KeyboardInterrupt("killed")):
+        try:
+            fresh.save_checkpoint(save_dir, tag="again")
+        except KeyboardInterrupt:
+            pass
+    errors["second_kill_left"] = sorted(n for n in os.listdir(save_dir) if n.startswith("again"))
+    other = workers.build_engine(workers.config("zero1"), seed=4)
+    other.load_checkpoint(save_dir)
+    errors["second_kill_loads_previous"] = torch.equal(other.optimizer.master_weights(), before)
+    fresh.save_checkpoint(save_dir, tag="again")  # a save that completes replaces it and cleans up
     errors["resave_after"] = sorted(n for n in os.listdir(save_dir) if n.startswith("again"))
 
     # A checkpoint in the format before sharded saves (the full state in the model file, no rank
@@ -156,6 +168,8 @@ def test_checkpoint_errors(tmp_path):
     assert errors["latest_after_torn_save"] == "global_step1"
     assert errors["resave_left"] == ["again.replaced", "again.saving"]
     assert errors["resave_loads_previous"]
+    assert "again.replaced" in errors["second_kill_left"], errors["second_kill_left"]
+    assert errors["second_kill_loads_previous"]
     assert errors["resave_after"] == ["again"]
     assert errors["legacy_equal"]
 

@@ -101,6 +101,7 @@ def test_bad_config_is_one_line_error(tmp_path):
     ("finetune_hf", ["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
     ("finetune_hf", ["--lr", "-1"], "argument --lr: got -1.0; must be >= 0.0"),
     ("finetune_hf", ["--micro-batch", "two"], "argument --micro-batch: 'two': expected an integer"),
+    ("finetune_hf", ["--slow-ranks", "1:0.5"], "argument --slow-ranks: '1:0.5': FACTOR must be >= 1"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, script, argv, message):
     sys.path.insert(0, str(ROOT / "examples"))
@@ -110,6 +111,16 @@ def test_bad_arguments_are_one_line_errors(capsys, script, argv, message):
         module.parse_args(["--deepspeed", "cfg.json", *argv])
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_slow_ranks_outside_the_launch_are_refused():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import common
+
+    assert common.slow_factor({1: 3.0}, 1, 2) == 3.0 and common.slow_factor({1: 3.0}, 0, 2) == 1.0
+    with pytest.raises(SystemExit) as info:  # (it used to be ignored)
+        common.slow_factor({5: 3.0}, 0, 2)
+    assert str(info.value) == "error: --slow-ranks names rank 5, but this launch has ranks 0-1"
 
 
 @pytest.mark.parametrize("text,flags,message", [

@@ -5,7 +5,7 @@ transformers' run_clm.py, an accelerate script like run_clm_no_trainer.py, a pla
 script), each started by its usual launcher in fresh interpreters of the *installed* package, with
 the shipped configs and batch sizes / learning rates of their own. In every cell of
 {Trainer, accelerate, DeepSpeed} x {zero1, a bare ``{"mode": "acco"}``, demo}, with rank 1 three
-times slower (``SLOW_RANKS``, ``user_scripts/slow_device.py``) in the zero1 and acco cells of the
+times slower (``SLOW_RANKS``, ``examples/common.py``) in the zero1 and acco cells of the
 two-rank scripts: the engine is LowCommEngine, lowcomm's numbers reach the logs, the loss falls,
 checkpoints save every 10 steps and a run resumed from step 20 applies exactly the 10 updates
 left: the script's step count, DeepSpeed's ``global_steps``, the checkpoint tag, the AdamW step
@@ -128,6 +128,8 @@ def _run(kind, mode, assets, out: Path, nprocs=2, resume=False, env=None):
                HF_HUB_OFFLINE="1", HF_HOME=str(out.parent / "hf_home"), TOKENIZERS_PARALLELISM="false",
                SLOW_RANKS=SLOW if _slowed(kind, mode) else "", **(env or {}))
     env.pop("PYTHONPATH", None)
+    if env["SLOW_RANKS"]:  # the emulated slower GPU the scripts import (examples/common.py): no ds_lowcomm there
+        env["PYTHONPATH"] = str(ROOT / "examples")
     # From an empty directory: ds_lowcomm can only come from the installation, as for a user.
     cwd = out.parent / "cwd"
     cwd.mkdir(exist_ok=True)

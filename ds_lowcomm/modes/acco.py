@@ -198,8 +198,10 @@ class Acco(Mode):
                 "rank set the pace here")
         self.aww = aww
         self.balance = aww and o.balance is not False
-        if self.ctx.pacer is not None:
-            self.ctx.pacer.active = not aww
+
+    def paces_in_loop(self) -> bool:
+        """Not while computing while waiting: the fast ranks compute more there (``balance``)."""
+        return not self.aww
 
     def on_micro_batch_end(self, boundary: bool) -> None:
         """``boundary``: the loop said this micro-batch ends its step (accelerate and the Trainer

@@ -56,6 +56,10 @@ class Mode(abc.ABC):
         TRL) or lets DeepSpeed count micro-batches (``engine.step()`` after each). Raise
         ``LowCommConfigError`` for a setting this loop cannot run."""
 
+    def paces_in_loop(self) -> bool:
+        """After :meth:`bind_loop`: whether ``lowcomm.pace`` applies in this loop (``paces`` modes)."""
+        return self.paces
+
     def on_backward_start(self, boundary: bool) -> None:
         """Called before every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
 

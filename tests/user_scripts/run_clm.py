@@ -43,8 +43,9 @@ def main():
         config.update_from_string(model_args.config_overrides)
     model = AutoModelForCausalLM.from_config(config)
     model.resize_token_embeddings(len(tokenizer))
-    import slow_device  # the tests' emulation of a slower GPU (SLOW_RANKS); a no-op otherwise
-    slow_device.install(model)
+    if os.environ.get("SLOW_RANKS"):  # the tests' emulated slower GPU (examples/common.py)
+        import common
+        common.slow_down_from_env(model)
 
     def tokenize_function(examples):
         return tokenizer(examples["text"])
