@@ -31,7 +31,7 @@ from ds_lowcomm.comm import temporary
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.flat import ALIGN
 from ds_lowcomm.round import Round
-from ds_lowcomm.sharded_step import all_finite
+from ds_lowcomm.sharded_step import finite_flag
 from ds_lowcomm.worker import Ticket
 
 #: the largest bucket, in bytes of fp32 gradient (DDP's default bucket_cap_mb)
@@ -62,8 +62,8 @@ class BucketRound(Round):
             # Reduced in place (2-byte sums): first note whether this rank's own part of the
             # range was finite, for the log of a skip.
             lo, hi = max(self.start, layout.shard_start), min(self.end, layout.shard_start + layout.shard_size)
-            if lo < hi and not all_finite(sums[lo:hi]):
-                self.buckets.own_finite = False
+            if lo < hi:  # a device flag, read only if the step is skipped
+                self.buckets.own_finite.logical_and_(finite_flag(sums[lo:hi]))
         self.ctx.topology.shard.reduce_scatter_range(self.buckets.out, sums, self.start, self.end,
                                                      wire_dtype=self.ctx.comm_dtype)
 
@@ -83,7 +83,7 @@ class GradBuckets:
         self.out: Optional[torch.Tensor] = None
         #: with 2-byte sums, reduced in place: whether this rank's own part of them was finite
         #: before (None with fp32 sums)
-        self.own_finite: Optional[bool] = None
+        self.own_finite: Optional[torch.Tensor] = None
         flat = ctx.flat
         padded = flat.layout.padded
         size = _bucket_size(padded)
@@ -113,7 +113,8 @@ class GradBuckets:
         if sums.dtype == torch.float32:
             self.out, self.own_finite = temporary(self.ctx.flat.layout.shard_size, sums.dtype, sums.device), None
         else:
-            self.out, self.own_finite = self.ctx.flat.layout.shard(sums), True
+            self.out = self.ctx.flat.layout.shard(sums)
+            self.own_finite = torch.ones((), dtype=torch.bool, device=sums.device)
         self._pending = list(self._params_in)
         self._final = set()
         self._next = 0

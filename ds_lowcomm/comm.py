@@ -28,6 +28,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 #: bytes of each chunk of the chunked gloo collectives, the norm and the step of 2-byte gradients:
 #: what their transients hold at once
 CHUNK_BYTES = 8 << 20
+#: bytes of each chunk of a native (NCCL) reduce-scatter or all-gather that converts dtypes: a
+#: converted copy of the whole buffer would cost 2-4 bytes per parameter of GPU memory, many
+#: small chunks would cost kernel launches
+NATIVE_CHUNK_BYTES = 64 << 20
 #: glibc's largest dynamic mmap threshold (64-bit): a block at least this large is always
 #: mmap-served and unmapped when freed, whatever the threshold has become
 MMAP_THRESHOLD_MAX = 32 << 20
@@ -154,18 +158,35 @@ class Collectives:
 
         ``wire_dtype`` (default ``inp``'s): what is sent, ``inp`` converted to it. Cost:
         (W-1)/W · inp's numel · wire bytes sent and received. On gloo the conversion and the
-        exchange go chunk by chunk (transients of ``CHUNK_BYTES``) and the sum is in fp32.
+        exchange go chunk by chunk (transients of ``CHUNK_BYTES``) and the sum is in fp32, in
+        rank order (deterministic, the same on every rank). On NCCL the backend sums, in the wire
+        dtype and its ring's order (what stock DeepSpeed gets too); a conversion goes chunk by
+        chunk (transients of ``NATIVE_CHUNK_BYTES``).
         """
         wire_dtype = wire_dtype or inp.dtype
         nbytes = inp.numel() * torch.empty((), dtype=wire_dtype).element_size()
         if self.reduce_scatter_by_all_to_all:
             self._run("reduce_scatter", nbytes, self._reduce_scatter_by_chunks, out, inp, wire_dtype)
-            return
-        send = inp.to(wire_dtype)
-        recv = out if out.dtype == wire_dtype else out.new_empty(out.shape, dtype=wire_dtype)
-        self._run("reduce_scatter", nbytes, _reduce_scatter, recv, send)
-        if recv is not out:
-            out.copy_(recv)
+        elif inp.dtype == wire_dtype == out.dtype:
+            self._run("reduce_scatter", nbytes, _reduce_scatter, out, inp)
+        else:
+            self._run("reduce_scatter", nbytes, self._reduce_scatter_converting, out, inp, wire_dtype)
+
+    def _reduce_scatter_converting(self, out: torch.Tensor, inp: torch.Tensor,
+                                   wire_dtype: torch.dtype, group) -> None:
+        """The native reduce-scatter when ``inp`` or ``out`` is not in the wire dtype: one call
+        per chunk of the shard, converted into a ``NATIVE_CHUNK_BYTES`` buffer; the same bytes."""
+        rows = inp.view(self.world, -1)
+        n = rows.shape[1]
+        step = max(1, NATIVE_CHUNK_BYTES // (self.world * torch.empty((), dtype=wire_dtype).element_size()))
+        send_buf = temporary(self.world * min(step, n), wire_dtype, inp.device)
+        recv_buf = temporary(min(step, n), wire_dtype, inp.device)
+        for a in range(0, n, step):
+            part = rows[:, a:a + step]
+            send = send_buf[:part.numel()].view(part.shape).copy_(part)  # rank r's columns in row r
+            recv = recv_buf[:part.shape[1]]
+            _reduce_scatter(recv, send.view(-1), group=group)
+            out[a:a + recv.numel()].copy_(recv)
 
     def _reduce_scatter_by_chunks(self, out: torch.Tensor, inp: torch.Tensor,
                                   wire_dtype: torch.dtype, group) -> None:
@@ -236,17 +257,19 @@ class Collectives:
         """Concatenate every rank's ``inp``, in ``out``'s dtype, into ``out`` (W × inp). Cost:
         (W-1)/W · out bytes."""
         nbytes = out.numel() * out.element_size()
-        if not self.reduce_scatter_by_all_to_all:
-            self._run("all_gather", nbytes, _all_gather, out, inp.to(out.dtype))
-            return
-        self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp)
+        if self.reduce_scatter_by_all_to_all:
+            self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp, CHUNK_BYTES)
+        elif inp.dtype == out.dtype:
+            self._run("all_gather", nbytes, _all_gather, out, inp)
+        else:  # no converted copy of the shard (2/W bytes per parameter for an fp32 master)
+            self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp, NATIVE_CHUNK_BYTES)
 
-    def _all_gather_by_chunks(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
-        """gloo stages an all-gather's whole output in a temporary (4 bytes per parameter in
-        fp32): gather chunk by chunk instead, CHUNK_BYTES at a time, converting ``inp`` to
-        ``out``'s dtype chunk by chunk; the same bytes."""
+    def _all_gather_by_chunks(self, out: torch.Tensor, inp: torch.Tensor, chunk_bytes: int, group) -> None:
+        """Gather chunk by chunk, ``chunk_bytes`` at a time, converting ``inp`` to ``out``'s dtype
+        chunk by chunk (gloo stages a whole all-gather's output in a temporary: 4 bytes per
+        parameter in fp32); the same bytes."""
         rows = out.view(self.world, -1)
-        step = max(1, CHUNK_BYTES // (self.world * out.element_size()))
+        step = max(1, chunk_bytes // (self.world * out.element_size()))
         stage_buf = temporary(self.world * min(step, inp.numel()), out.dtype, out.device)
         part_buf = temporary(min(step, inp.numel()), out.dtype, out.device) if inp.dtype != out.dtype else None
         for a in range(0, inp.numel(), step):

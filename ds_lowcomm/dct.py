@@ -32,6 +32,7 @@ replica that decodes the same gathered buffers computes bit-identical results.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import List, Tuple
@@ -39,6 +40,24 @@ from typing import List, Tuple
 import torch
 
 VALUE_FORMATS = ("bf16", "sign")
+
+
+#: tiles transformed at a time (their two products' temporaries): a few MB, never shard-sized
+TILE_BATCH_BYTES = 8 << 20
+
+
+@contextmanager
+def _exact_fp32(device: torch.device):
+    """Matrix products in full fp32 on CUDA while inside (TF32 off); the flag is the process's,
+    so products the training thread queues meanwhile are exact too, only slower."""
+    if device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 @lru_cache(maxsize=8)
@@ -147,12 +166,26 @@ class DctTopK:
         return flat
 
     def dct(self, tiles: torch.Tensor) -> torch.Tensor:
-        d = _basis(self.chunk, str(tiles.device))
-        return d @ tiles @ d.T
+        """The 2-D DCT of each tile of ``tiles`` (T, chunk, chunk), as a new tensor."""
+        return self._transform(tiles.clone(), inverse=False)
 
     def idct(self, coeffs: torch.Tensor) -> torch.Tensor:
-        d = _basis(self.chunk, str(coeffs.device))
-        return d.T @ coeffs @ d
+        """The inverse of :meth:`dct`, as a new tensor."""
+        return self._transform(coeffs.clone(), inverse=True)
+
+    def _transform(self, tiles: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """``D X Dᵀ`` (``Dᵀ X D`` when ``inverse``) of each tile, in place, ``TILE_BATCH_BYTES``
+        of tiles at a time: a whole-shard product would hold two more shard-sized fp32
+        temporaries (8/S bytes per parameter). In exact fp32 even where the script turned TF32
+        on: DeMo's error feedback subtracts exactly what it sends."""
+        d = _basis(self.chunk, str(tiles.device))
+        left, right = (d.T, d) if inverse else (d, d.T)
+        batch = max(1, TILE_BATCH_BYTES // (self.chunk * self.chunk * 4))
+        with _exact_fp32(tiles.device):
+            for a in range(0, tiles.shape[0], batch):
+                part = tiles[a:a + batch]
+                torch.matmul(left @ part, right, out=part)
+        return tiles
 
     # -- encode / decode ----------------------------------------------------------------------
 
@@ -162,7 +195,7 @@ class DctTopK:
         Returns ``(indices (T, k) int64, values (T, k) fp32)``: what the receivers will decode, so
         the sender's error feedback subtracts exactly that.
         """
-        coeffs = self.dct(self.to_tiles(flat)).reshape(self.tiles, -1)
+        coeffs = self._transform(self.to_tiles(flat), inverse=False).reshape(self.tiles, -1)
         idx = coeffs.abs().topk(self.topk, dim=1, sorted=False).indices
         # Sorting makes the selection independent of topk's internal order: a deterministic wire.
         idx = idx.sort(dim=1).values
@@ -178,7 +211,7 @@ class DctTopK:
         """The flat vector whose tiles' DCT holds ``vals`` at ``idx`` and zero elsewhere."""
         coeffs = torch.zeros(self.tiles, self.chunk * self.chunk, dtype=torch.float32, device=vals.device)
         coeffs.scatter_(1, idx, vals)
-        return self.from_tiles(self.idct(coeffs.view(self.tiles, self.chunk, self.chunk)))
+        return self.from_tiles(self._transform(coeffs.view(self.tiles, self.chunk, self.chunk), inverse=True))
 
     def pack(self, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One uint8 buffer of ``payload_bytes`` (layout in the module docstring)."""
@@ -222,5 +255,7 @@ class DctTopK:
             idx, vals = self.unpack(buf)
             total.scatter_add_(1, idx, vals)
             count.scatter_add_(1, idx, torch.ones_like(vals))
-        mean = torch.where(count > 0, total / count.clamp(min=1), total)
-        return self.from_tiles(self.idct(mean.view(self.tiles, self.chunk, self.chunk)))
+        # The mean in place: where no payload carries a coefficient, total is 0 and stays 0.
+        mean = total.div_(count.clamp_(min=1))
+        del count
+        return self.from_tiles(self._transform(mean.view(self.tiles, self.chunk, self.chunk), inverse=True))

@@ -54,9 +54,11 @@ class ShardAdamW:
             for a in range(seg.start, seg.end, size):
                 sl = slice(a, min(a + size, seg.end))
                 g = scratch[:sl.stop - a].copy_(grad[sl]).mul_(factor) if lowp else grad[sl]
-                # The kernel increments the step tensor before bias correction, as torch.optim does.
+                # The kernel increments the step tensor before bias correction, as torch.optim
+                # does, so each call gets a fresh one: filled on the device (torch.tensor(step,
+                # device=...) would be a blocking host-to-device copy per chunk on CUDA).
                 _adam_kernel([self.master[sl]], [g], [self.exp_avg[sl]], [self.exp_avg_sq[sl]], [],
-                             [torch.tensor(float(step), device=self.master.device)],
+                             [torch.full((), float(step), device=self.master.device)],
                              fused=self._fused, decoupled_weight_decay=True, amsgrad=False,
                              beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
                              eps=hp["eps"], maximize=False)

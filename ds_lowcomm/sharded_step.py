@@ -72,6 +72,12 @@ def nonfinite_ranks(comm, finite: bool, device: torch.device) -> List[int]:
     return [comm.ranks[i] for i, bad in enumerate(flags.tolist()) if bad]
 
 
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds no NaN or inf, as a device bool (read it only when it matters: a
+    read stalls the host on a GPU). Same test as :func:`all_finite`."""
+    return torch.isfinite(t.sum(dtype=torch.float64))
+
+
 def all_finite(*tensors: torch.Tensor) -> bool:
     """No NaN or inf in any of ``tensors``: their float64 sums are finite (a sum of finite
     fp32/bf16/fp16 values cannot overflow float64, and a reduction allocates nothing)."""
@@ -86,6 +92,14 @@ def clip_scale(norm: float, clip: float) -> float:
         if factor > 1:
             return 1.0 / factor
     return 1.0
+
+
+def clip_scale_tensor(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    """:func:`clip_scale` of a device scalar ``norm``, as a device scalar (no host read)."""
+    if clip <= 0:
+        return torch.ones_like(norm)
+    factor = (norm + 1e-6) / clip
+    return torch.where(factor > 1, 1.0 / factor, torch.ones_like(factor))
 
 
 class ShardedStepRound(StepRound):
@@ -131,8 +145,8 @@ class ShardedStepRound(StepRound):
             overlap, :class:`~ds_lowcomm.buckets.GradBuckets`). fp32 (modified in place), or, for
             2-byte ``grads``, this rank's own part of them, reduced in place.
         own_finite: with a ``reduced`` that is this rank's own part of ``grads`` reduced in
-            place: whether that part was finite before (which ranks' sums were not, for the log
-            of a skip).
+            place: whether that part was finite before, a device bool read only for the log of a
+            skip (which ranks' sums were not).
         gather: all-gather the new parameters into ``target`` at the end of :meth:`run`; when
             False, this rank's shard of them is left in :attr:`out` for the caller to gather
             (``zero1`` with overlap, :class:`~ds_lowcomm.buckets.ParamBuckets`).
@@ -148,7 +162,7 @@ class ShardedStepRound(StepRound):
                  estimate: bool = False, wire_dtype: Optional[torch.dtype] = None,
                  delta: Optional[torch.Tensor] = None,
                  after_update: Optional[Callable[[], None]] = None,
-                 reduced: Optional[torch.Tensor] = None, own_finite: Optional[bool] = None,
+                 reduced: Optional[torch.Tensor] = None, own_finite: Optional[torch.Tensor] = None,
                  gather: bool = True) -> None:
         if (scale is None) == (local_count is None):
             raise ValueError("give exactly one of scale and local_count")
@@ -235,7 +249,7 @@ class ShardedStepRound(StepRound):
                 finite = all_finite(self.grads)
             else:  # this rank's own part now holds the reduced sums: the rest, and what it held
                 lo, hi = layout.shard_start, layout.shard_start + layout.shard_size
-                finite = own_finite and all_finite(self.grads[:lo], self.grads[hi:])
+                finite = bool(own_finite) and all_finite(self.grads[:lo], self.grads[hi:])
             self.nonfinite_ranks = nonfinite_ranks(comm, finite, self.grads.device)
         if self.estimate:
             out = self.adamw.master.to(self.target.dtype, copy=True)
@@ -270,7 +284,7 @@ class ShardedStepRound(StepRound):
             grad, own_finite = temporary(layout.shard_size, torch.float32, self.grads.device), None
         else:
             grad = layout.shard(self.grads)
-            own_finite = all_finite(grad)
+            own_finite = finite_flag(grad)  # read only if the step is skipped
         comm.reduce_scatter(grad, self.grads, wire_dtype=self.wire_dtype)
         return grad, own_finite
 

@@ -28,8 +28,11 @@ class Topology:
     shard_group_size: int
     shard: Collectives      # this rank's shard group (the whole world when shard_group_size == W)
     replica: Optional[Collectives]  # this rank's replica group, None when there is one shard group
-    #: the whole world, used only from the training thread (agreements such as acco's round count,
-    #: which must not queue behind the comm worker's collectives on the shard group)
+    #: the whole world on gloo with CPU tensors, used only from the training thread (agreements
+    #: such as acco's round count, which must not queue behind the comm worker's collectives on
+    #: the shard group): on GPUs never a second NCCL communicator busy while a round is in flight
+    #: on the shard group (NCCL documents that as a possible deadlock), and reading its result
+    #: never waits for the GPU
     control: Collectives
 
     @property
@@ -60,5 +63,6 @@ class Topology:
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     replica = Collectives(pg, stats, timeout_s, "replica")
-        control = Collectives(dist.new_group(list(range(world)), timeout=timeout), stats, timeout_s, "control")
+        control = Collectives(dist.new_group(list(range(world)), timeout=timeout, backend="gloo"),
+                              stats, timeout_s, "control")
         return Topology(world, rank, g, shard, replica, control)

@@ -9,11 +9,16 @@ running:
 - asynchronous: one host thread executes rounds in submission order, so every rank issues the same
   collectives in the same order whatever its own timing. On CUDA the thread works on a side stream
   that first waits for an event recorded on the training stream at submit time (the round's inputs
-  are ready), and records a done event the training stream waits on before installing the result.
-  Buffers are allocated once by the mode and reused, so no ``record_stream`` is needed. On CPU the
-  thread blocks in gloo, which releases the GIL, while the training thread computes.
+  are ready), and records a done event once the round is enqueued. The host never waits for the
+  GPU here: the ticket resolves when the round has been *enqueued* (``run()`` returned on the
+  host), :meth:`CommWorker.poll` asks the done event whether the GPU has finished it, and
+  :meth:`CommWorker.wait` makes the training stream wait on the event (kernels queued after it
+  run after the round; the host goes on queueing). Buffers are allocated once by the mode and
+  reused, so no ``record_stream`` is needed. On CPU the thread blocks in gloo, which releases the
+  GIL, while the training thread computes.
 
-Stats: ``round_seconds`` (communication in flight) and ``wait_seconds`` (training thread blocked).
+Stats: ``round_seconds`` (host time in ``run()``: on CPU the communication; on CUDA its enqueueing
+and any host read the round makes) and ``wait_seconds`` (training thread blocked).
 """
 from __future__ import annotations
 
@@ -80,14 +85,16 @@ class CommWorker:
         return ticket
 
     def poll(self, ticket: Ticket) -> bool:
-        """True once the round has run (raises its error if it failed). Never blocks."""
+        """True once the round has run, on CUDA once the GPU has finished it (its done event);
+        raises the round's error if it failed. Never blocks."""
         if not ticket.done():
             return False
         ticket.result()
-        return True
+        return ticket.done_event is None or ticket.done_event.query()
 
     def wait(self, ticket: Ticket) -> None:
-        """Block until the round has run; on CUDA also order the training stream after it."""
+        """Block until the round has run (on CUDA: been enqueued on the side stream), then order
+        the training stream after it. The host never waits for the GPU here."""
         if not ticket.done():
             t0 = time.perf_counter()
             concurrent_wait([ticket])
@@ -122,9 +129,8 @@ class CommWorker:
         error = None
         try:
             ticket.round.run()
-            if stream is not None:
+            if stream is not None:  # no synchronize: the consumer's stream waits on the event
                 ticket.done_event.record(stream)
-                ticket.done_event.synchronize()
         except BaseException as err:  # re-raised on the training thread by poll/wait
             error = err
         self.stats.rounds += 1

@@ -79,6 +79,15 @@ def sample_batch(tokens: torch.Tensor, seed: int, step: int, micro: int, rank: i
     return torch.stack([tokens[s: s + block + 1] for s in starts.tolist()])
 
 
+def to_device(batch: torch.Tensor, device) -> torch.Tensor:
+    """``batch`` on ``device``. On CUDA from pinned memory without blocking: a copy from pageable
+    memory makes the host wait until the GPU has reached it, every micro-batch."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
 # -- arguments ------------------------------------------------------------------------------------
 
 def at_least(lo: int):
@@ -158,14 +167,17 @@ def read_link_bytes() -> int:
         return int(f.read())
 
 
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+def max_over_ranks(x: float, device: torch.device) -> float:
+    """``x``'s maximum over the ranks. ``device``: the engine's (the default group is NCCL alone
+    on GPUs, which refuses CPU tensors)."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t.item()
 
 
-def mean_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+def mean_over_ranks(x: float, device: torch.device) -> float:
+    """``x``'s mean over the ranks (see :func:`max_over_ranks`)."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return t.item() / torch.distributed.get_world_size()
 
@@ -201,12 +213,12 @@ class ByteMeter:
 @torch.no_grad()
 def evaluate(engine, tokens, args, rank, mbs, step) -> float:
     engine.eval()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
     for i in range(args.eval_iters):
-        xy = sample_batch(tokens, args.seed + 1, step, i, rank, mbs, args.block_size).to(engine.device)
-        total += engine(xy[:, :-1], labels=xy[:, :-1]).loss.item()
+        xy = to_device(sample_batch(tokens, args.seed + 1, step, i, rank, mbs, args.block_size), engine.device)
+        total += engine(xy[:, :-1], labels=xy[:, :-1]).loss.detach()
     engine.train()
-    return mean_over_ranks(total / args.eval_iters)
+    return mean_over_ranks(total.item() / args.eval_iters, engine.device)
 
 
 def deepspeed_engine(args, model):
@@ -279,19 +291,22 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         # gradient_accumulation_steps of them in synchronous modes; under acco a rank computes as
         # many as fit while communication is in flight.
         t0 = time.perf_counter()
-        total, k = 0.0, 0
+        # The loss stays on the device until the step is logged: a .item() per micro-batch would
+        # make the host wait for every kernel and take away the GPU's overlap with communication.
+        total, k = torch.zeros((), dtype=torch.float64, device=engine.device), 0
         while engine.global_steps == step:
-            xy = sample_batch(train_tokens, args.seed, step, k, rank, mbs, args.block_size).to(engine.device)
+            xy = to_device(sample_batch(train_tokens, args.seed, step, k, rank, mbs, args.block_size), engine.device)
             loss = engine(xy[:, :-1], labels=xy[:, :-1]).loss
             engine.backward(loss)
             engine.step()
-            total += loss.item()
+            total += loss.detach()
             k += 1
             micro_batches += 1
         train_time += time.perf_counter() - t0
-        losses.append(total / k)
+        losses.append(total / k)  # a device scalar, read when logged
         step = done = engine.global_steps
         if done % args.log_every == 0 or done == args.max_steps:
+            losses[-1] = float(losses[-1])
             sent, _, wait = meter.per_step()
             tps = micro_batches * mbs * args.block_size * world / train_time  # rank 0's pace
             extra = f" | sent {sent / 1e6:.3f} MB/step" if sent is not None else ""
@@ -304,7 +319,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
             if slow != 1.0 and per_round:
                 print(f"  rank {rank} (slowed {slow:g}x): {per_round:.2f} micro-batches/round", flush=True)
             if records:
-                records.write(json.dumps({"step": done, "train_s": train_time, "loss": losses[-1],
+                records.write(json.dumps({"step": done, "train_s": train_time, "loss": float(losses[-1]),
                                           "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
         if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
             vl = evaluate(engine, val_tokens, args, rank, mbs, done)  # not on the training clock
@@ -327,10 +342,10 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     steps_run = args.max_steps - start
     # Tokens actually trained on, all ranks: under acco a rank may compute more or fewer
     # micro-batches per step than gradient_accumulation_steps.
-    tokens_run = int(round(mean_over_ranks(micro_batches) * world)) * mbs * args.block_size
+    tokens_run = int(round(mean_over_ranks(micro_batches, engine.device) * world)) * mbs * args.block_size
     result = {
         "mode": mode, "world_size": world,
-        "final_train_loss": mean_over_ranks(losses[-1]) if losses else float("nan"),
+        "final_train_loss": mean_over_ranks(float(losses[-1]), engine.device) if losses else float("nan"),
         "val_loss": val_loss, "steps": args.max_steps,
         "tokens": start * tokens_per_step + tokens_run,
         "tokens_per_s": tokens_run / train_time if train_time else float("nan"),
@@ -340,8 +355,12 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         "micro_batches_per_round": meter.micro_batches_per_round(),
         # Loopback counts every rank's traffic once: per rank is the total over the world size.
         "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,
-        "peak_rss_mb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_mb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.device),
     }
+    if torch.device(engine.device).type == "cuda":
+        for key, read in (("gpu_max_allocated_mb", torch.cuda.max_memory_allocated),
+                          ("gpu_max_reserved_mb", torch.cuda.max_memory_reserved)):
+            result[key] = max_over_ranks(read() / 2**20, engine.device)
     say(f"final: train loss {result['final_train_loss']:.4f} | val loss {val_loss:.4f} | "
         f"{result['tokens_per_s']:,.0f} tok/s", flush=True)
     if records:

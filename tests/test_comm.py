@@ -109,3 +109,84 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         assert sent == pytest.approx((WORLD - 1) * SHARD * (3 * (4 + 2) + 2 * 2))
         calls, sent = res["ops"]["shard.all_gather"]
         assert calls == 2 + 2 * 5 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2 + 4 + 2))
+
+
+def _native(rank, world, chunk_bytes):
+    """The branch NCCL takes (the backend's own reduce-scatter and all-gather), run on gloo."""
+    import torch.distributed as dist
+
+    import ds_lowcomm.comm as comm
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestResult(TorchDispatchMode):
+        """The most elements any op's newly allocated result held: views and in-place results
+        (sharing an argument's storage) aside, and ``torch.empty`` (on CPU ``temporary()`` cuts
+        its chunk buffers from a large block whose rest is never touched)."""
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func is not torch.ops.aten.empty.memory_format and isinstance(result, torch.Tensor):
+                held = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                        if isinstance(a, torch.Tensor)}
+                if result.untyped_storage().data_ptr() not in held:
+                    LargestResult.largest = max(LargestResult.largest, result.numel())
+            return result
+
+    comm.NATIVE_CHUNK_BYTES = chunk_bytes
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stats = comm.CommStats()
+        c = comm.Collectives(dist.group.WORLD, stats, 30.0, "shard")
+        c.reduce_scatter_by_all_to_all = False
+        out = {"largest": {}}
+        for inp_dtype, wire, out_dtype in ((torch.float32, torch.float32, torch.float32),
+                                           (torch.float32, torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+            got = torch.full((SHARD,), float("nan"), dtype=out_dtype)
+            inp = _inputs(rank).to(inp_dtype)
+            LargestResult.largest = 0
+            with LargestResult():
+                c.reduce_scatter(got, inp, wire_dtype=wire)
+            out["largest"][f"rs_{inp_dtype}_{wire}"] = LargestResult.largest
+            out[f"rs_{inp_dtype}_{wire}_{out_dtype}"] = got.float()
+        for dtype in (torch.float32, torch.bfloat16):
+            gathered = torch.full((WORLD * SHARD,), float("nan"), dtype=dtype)
+            shard = _inputs(rank)[:SHARD]
+            LargestResult.largest = 0
+            with LargestResult():
+                c.all_gather(gathered, shard)  # fp32 shard, converted when bf16
+            out["largest"][f"ag_{dtype}"] = LargestResult.largest
+            out[f"ag_{dtype}"] = gathered
+        out["ops"] = {k: (v.calls, v.bytes_sent) for k, v in stats.ops.items()}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("chunk_bytes", [48, 1 << 26], ids=["many-chunks", "one-chunk"])
+def test_native_branch_matches_the_sums(chunk_bytes):
+    """NCCL's branch sums in the wire dtype in the backend's order: equal to the sums computed
+    here within what that dtype's rounding allows; a conversion goes chunk by chunk."""
+    results = run_ranks(_native, WORLD, chunk_bytes)
+    inputs = [_inputs(r).view(WORLD, SHARD) for r in range(WORLD)]
+    for rank, res in enumerate(results):
+        for inp_dtype, wire, out_dtype in ((torch.float32, torch.float32, torch.float32),
+                                           (torch.float32, torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+            want = sum(inputs[r][rank].to(inp_dtype).to(wire).double() for r in range(WORLD))
+            tol = 1e-6 if wire == out_dtype == torch.float32 else 2e-2  # bf16: 8 bits of mantissa
+            got = res[f"rs_{inp_dtype}_{wire}_{out_dtype}"].double()
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol * 3)
+        whole = torch.cat([inputs[r].reshape(-1)[:SHARD] for r in range(WORLD)])
+        assert torch.equal(res["ag_torch.float32"], whole)
+        assert torch.equal(res["ag_torch.bfloat16"], whole.bfloat16())  # converted once, exactly
+        if chunk_bytes == 48:  # converted 4 elements per rank at a time: no buffer-sized copy
+            assert max(res["largest"].values()) <= WORLD * 4, res["largest"]
+        calls, sent = res["ops"]["shard.reduce_scatter"]  # one per call, the ring formula's bytes
+        assert calls == 4 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2 + 4 + 2))
+        calls, sent = res["ops"]["shard.all_gather"]
+        assert calls == 2 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2))

@@ -122,11 +122,13 @@ def _slowed(kind, mode) -> bool:
     return kind != "accelerate" and mode in ("zero1", "acco")  # (accelerate: one process here)
 
 
-def _run(kind, mode, assets, out: Path, nprocs=2, resume=False, env=None):
+def _run(kind, mode, assets, out: Path, nprocs=2, resume=False, extra_env=None):
     out.mkdir(parents=True, exist_ok=True)
+    # The slowed rank only where the launch has it (one process: --slow-ranks 1:3 is refused).
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1",
                HF_HUB_OFFLINE="1", HF_HOME=str(out.parent / "hf_home"), TOKENIZERS_PARALLELISM="false",
-               SLOW_RANKS=SLOW if _slowed(kind, mode) else "", **(env or {}))
+               SLOW_RANKS=SLOW if _slowed(kind, mode) and nprocs > 1 else "")
+    env.update(extra_env or {})
     env.pop("PYTHONPATH", None)
     if env["SLOW_RANKS"]:  # the emulated slower GPU the scripts import (examples/common.py): no ds_lowcomm there
         env["PYTHONPATH"] = str(ROOT / "examples")
@@ -223,7 +225,7 @@ def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
 
 def _refusal(kind, mode, assets, out: Path):
     """What went wrong with this cell under DS_LOWCOMM_AUTOLOAD=0, or None if it refused properly."""
-    res = _run(kind, mode, assets, out, nprocs=1, env={"DS_LOWCOMM_AUTOLOAD": "0"})
+    res = _run(kind, mode, assets, out, nprocs=1, extra_env={"DS_LOWCOMM_AUTOLOAD": "0"})
     output = res.stderr + res.stdout
     if res.returncode == 0 or OFF_MESSAGE not in output:
         return f"exit {res.returncode}, no refusal message:\n{output[-2000:]}"

@@ -100,7 +100,7 @@ def train(engine, steps: int, start: int = 0, rank: int = 0, digests: Optional[l
             continue
         total = 0.0
         for micro in range(gas):
-            x = batch(step, micro, rank, engine.train_micro_batch_size_per_gpu())
+            x = batch(step, micro, rank, engine.train_micro_batch_size_per_gpu()).to(engine.device)
             loss = engine(x, labels=x).loss
             if poison and (step, micro) in poison:
                 loss = loss * poison[(step, micro)]

@@ -237,7 +237,7 @@ class Acco(Mode):
         same micro-batches on every rank and saves at its own step count): the ranks behind
         launch it now, with what they have accumulated, instead of leaving its peers waiting.
         """
-        counts = torch.zeros(self.ctx.topology.world_size, dtype=torch.float64, device=self.ctx.flat.device)
+        counts = torch.zeros(self.ctx.topology.world_size, dtype=torch.float64)  # the control group: CPU
         counts[self.ctx.topology.rank] = self.launched
         self.ctx.topology.control.all_reduce(counts)
         behind = int(counts.max().item()) - self.launched

@@ -50,7 +50,7 @@ from ds_lowcomm.inflight import InFlight
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_shard_group_size
 from ds_lowcomm.round import StepRound
-from ds_lowcomm.sharded_step import all_finite, clip_by_global_norm, clip_scale, nonfinite_ranks
+from ds_lowcomm.sharded_step import all_finite, clip_by_global_norm, clip_scale_tensor, nonfinite_ranks
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
@@ -210,16 +210,19 @@ class Demo(Mode):
         """Move the model by this rank's own momentum step, sign(β·δ + lr·clipped g): the local
         estimate of the global update in flight (torchtitan-lowcomms, Psyche). Runs before the
         round is submitted, while δ is stable; the round's result overwrites the model."""
+        # All on the device, no host read (a .item() here would stall the host every step and
+        # cost the overlap): the norm, its clip scale and its finiteness stay tensors.
         ctx, send, loss_scale = self.ctx, self.send, self.ctx.loss_scale
-        norm = torch.linalg.vector_norm(send, dtype=torch.float64).item() / loss_scale
-        if not math.isfinite(norm):
-            return  # the round will skip this step: computing at a non-finite point would spread it
-        scale = clip_scale(norm, ctx.gradient_clipping)
+        norm = torch.linalg.vector_norm(send, dtype=torch.float64) / loss_scale
+        scale = clip_scale_tensor(norm, ctx.gradient_clipping)
         step = self.delta * self.options.beta
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
-            step[sl].add_(send[sl], alpha=hyper[seg.group]["lr"] * scale / loss_scale)
+            step[sl].addcmul_(send[sl], scale * hyper[seg.group]["lr"] / loss_scale)
         step.sign_()
+        # A non-finite gradient: the round will skip this step, and the model stays where it is
+        # (computing at a non-finite point would spread it): the step becomes zero.
+        step.nan_to_num_(0.0).mul_(torch.isfinite(norm))
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
             ctx.flat.buffer[sl].sub_(step[sl], alpha=hyper[seg.group]["lr"])

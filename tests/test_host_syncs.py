@@ -1,0 +1,88 @@
+"""How often ds_lowcomm makes the host wait for the device in a training step, per mode and thread.
+
+On a GPU every ``.item()``, ``.tolist()``, ``bool()``, ``float()`` or ``int()`` of a device tensor
+stops the host until the GPU has caught up: kernels queued after it wait for the host, and an
+overlapped mode loses its overlap. The CPU cannot see a sync, but it sees the calls: in two warm
+steps of a real 2-rank run the test counts every such call whose caller is ds_lowcomm, by thread,
+and holds each mode to its count, so that none can grow back unseen. ``tools/gpu_check.py call1``
+takes the same inventory on a GPU with ``torch.cuda.set_sync_debug_mode``.
+
+The target: none on the training thread in ``acco`` and ``zero1`` with overlap (the comm thread's
+reads stall only communication). The synchronous modes read the global norm's verdict on the
+training thread (skip the update or not: the host decides), once per step.
+"""
+import collections
+import threading
+import traceback
+
+import pytest
+import torch
+
+import workers
+from dist import run_ranks
+
+MODES = {
+    "zero1": {},
+    "zero1-overlap": {"zero1": {"overlap": True}},
+    "acco": {"acco": {"variant": "acco", "accumulate_while_waiting": False, "balance": False}},
+    "demo-overlap": {"shard_group_size": 1, "demo": {"overlap": True, "topk": 8, "chunk": 32}},
+    "desloc": {"shard_group_size": 1, "desloc": {"param_sync_every": 1, "momentum_sync_every": 2,
+                                                  "variance_sync_every": 2}},
+}
+#: host reads per step on the training thread: the synchronous modes' global norm (its verdict
+#: decides on the host whether to update); none in the overlapped ones
+TRAINING_THREAD = {"zero1": 1, "zero1-overlap": 0, "acco": 0, "demo-overlap": 0, "desloc": 1}
+#: at most this many per step on the comm thread, where a read stalls only communication: a
+#: round's norm; acco's two rounds a step also share the ranks' micro-batch counts; DeMo's
+#: round checks its encoding
+COMM_THREAD_AT_MOST = {"zero1": 0, "zero1-overlap": 1, "acco": 4, "demo-overlap": 3, "desloc": 0}
+READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+WARM, COUNTED = 3, 2
+
+
+def _count(rank, world):
+    counts = {}
+    for mode, options in MODES.items():
+        engine = workers.build_engine(workers.config(mode.split("-")[0], bf16=True, **options))
+        workers.train(engine, WARM, rank=rank)
+        seen = collections.Counter()
+        originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+        def recording(name):
+            original = originals[name]
+
+            def read(self, *a, **k):
+                ours = [f for f in traceback.extract_stack()[:-1] if "/ds_lowcomm/" in f.filename]
+                if ours:
+                    where = f"{ours[-1].filename.split('/ds_lowcomm/')[-1]}:{ours[-1].lineno}"
+                    seen[(threading.current_thread().name, where, name)] += 1
+                return original(self, *a, **k)
+            return read
+
+        for name in READS:
+            setattr(torch.Tensor, name, recording(name))
+        try:
+            workers.train(engine, COUNTED, start=WARM, rank=rank)
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        engine.destroy()
+        counts[mode] = seen
+    return counts
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return run_ranks(_count, 2, timeout=600)[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_host_reads_per_step(counts, mode):
+    per_thread = collections.Counter()
+    for (thread, where, name), n in counts[mode].items():
+        per_thread[thread] += n
+    reads = sorted(counts[mode].items())
+    assert per_thread.pop("MainThread", 0) / COUNTED == TRAINING_THREAD[mode], reads
+    # (the round in flight at the end may finish its reads before or after the count stops)
+    assert per_thread.pop("ds_lowcomm-comm", 0) / COUNTED <= COMM_THREAD_AT_MOST[mode], reads
+    assert not per_thread, reads
