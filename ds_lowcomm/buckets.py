@@ -205,7 +205,9 @@ class ParamBuckets:
 
     def start(self, shard: torch.Tensor) -> None:
         """Submit the all-gather of every bucket from this rank's ``shard`` of the new parameters
-        (in the model's dtype). Cost: one all-gather of the padded buffer in all."""
+        (the fp32 master, converted to the model's dtype bucket by bucket; nothing writes it
+        before the next step's round, which comes after :meth:`wait_all`). Cost: one all-gather
+        of the padded buffer in all."""
         self.wait_all()
         for lo, hi in self.ranges:
             rnd = GatherRound(self.ctx, shard, lo, hi)

@@ -237,13 +237,14 @@ class Collectives:
         ``inp`` (this rank's shard). Over ranges that tile ``out`` it is :meth:`all_gather`, with
         the same bytes in all ((W-1)/W · out's bytes sent and received per rank; per range, each
         rank sends W-1 copies of its own part and receives the rest). One all-to-all with uneven
-        splits, received in place.
+        splits, received in place; ``inp`` may be of another dtype than ``out`` (its part is
+        converted: a range's worth, never the shard).
         """
         size, w, me = out.numel() // self.world, self.world, self.rank
         splits = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(w)]
         mine = splits[me]
         lo = max(start, me * size) - me * size
-        send = inp[lo:lo + mine].repeat(w)
+        send = inp[lo:lo + mine].to(out.dtype).repeat(w)
         elem = out.element_size()
         sent, received = (w - 1) * mine * elem, (end - start - mine) * elem
         t0 = time.perf_counter()

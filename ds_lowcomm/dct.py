@@ -32,7 +32,6 @@ replica that decodes the same gathered buffers computes bit-identical results.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import List, Tuple
@@ -44,20 +43,6 @@ VALUE_FORMATS = ("bf16", "sign")
 
 #: tiles transformed at a time (their two products' temporaries): a few MB, never shard-sized
 TILE_BATCH_BYTES = 8 << 20
-
-
-@contextmanager
-def _exact_fp32(device: torch.device):
-    """Matrix products in full fp32 on CUDA while inside (TF32 off); the flag is the process's,
-    so products the training thread queues meanwhile are exact too, only slower."""
-    if device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
-        yield
-        return
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 @lru_cache(maxsize=8)
@@ -176,15 +161,15 @@ class DctTopK:
     def _transform(self, tiles: torch.Tensor, inverse: bool) -> torch.Tensor:
         """``D X Dᵀ`` (``Dᵀ X D`` when ``inverse``) of each tile, in place, ``TILE_BATCH_BYTES``
         of tiles at a time: a whole-shard product would hold two more shard-sized fp32
-        temporaries (8/S bytes per parameter). In exact fp32 even where the script turned TF32
-        on: DeMo's error feedback subtracts exactly what it sends."""
+        temporaries (8/S bytes per parameter). The products follow the script's TF32 setting
+        (``torch.backends.cuda.matmul``), a process-wide flag this comm-thread code leaves alone:
+        sender and receivers decode with the same kernels, so the error feedback stays exact."""
         d = _basis(self.chunk, str(tiles.device))
         left, right = (d.T, d) if inverse else (d, d.T)
         batch = max(1, TILE_BATCH_BYTES // (self.chunk * self.chunk * 4))
-        with _exact_fp32(tiles.device):
-            for a in range(0, tiles.shape[0], batch):
-                part = tiles[a:a + batch]
-                torch.matmul(left @ part, right, out=part)
+        for a in range(0, tiles.shape[0], batch):
+            part = tiles[a:a + batch]
+            torch.matmul(left @ part, right, out=part)
         return tiles
 
     # -- encode / decode ----------------------------------------------------------------------
@@ -196,9 +181,12 @@ class DctTopK:
         the sender's error feedback subtracts exactly that.
         """
         coeffs = self._transform(self.to_tiles(flat), inverse=False).reshape(self.tiles, -1)
-        idx = coeffs.abs().topk(self.topk, dim=1, sorted=False).indices
-        # Sorting makes the selection independent of topk's internal order: a deterministic wire.
-        idx = idx.sort(dim=1).values
+        idx = torch.empty(self.tiles, self.topk, dtype=torch.int64, device=coeffs.device)
+        batch = max(1, TILE_BATCH_BYTES // (self.chunk * self.chunk * 4))
+        for a in range(0, self.tiles, batch):  # |coefficients| a batch of tiles at a time
+            part = coeffs[a:a + batch].abs().topk(self.topk, dim=1, sorted=False).indices
+            # Sorting makes the selection independent of topk's internal order: a deterministic wire.
+            idx[a:a + batch] = part.sort(dim=1).values
         vals = coeffs.gather(1, idx)
         if self.values == "bf16":
             vals = vals.to(torch.bfloat16).float()

@@ -46,7 +46,9 @@ class InFlight:
         return self.ticket is None or self.worker.poll(self.ticket)
 
     def settle(self) -> None:
-        """Wait for the round to have run, without installing it."""
+        """Wait for the round to have run, without installing it (on CUDA: enqueued, the
+        training stream ordered after it, so what the training stream reads next, a copy to the
+        host included, sees its results)."""
         if self.ticket is not None:
             self.worker.wait(self.ticket)
 

@@ -109,6 +109,13 @@ class _CudaClock:
         return start.elapsed_time(end) / 1000.0
 
 
+def device_clock(device: torch.device):
+    """The clock a rank's compute is timed on: CUDA events on a GPU (the host runs ahead of the
+    kernels it queues, so the host's clock would time the queueing), the host's elsewhere. Its
+    ``mark()`` starts or ends an interval; ``seconds(start, end)`` is None until both are done."""
+    return _CudaClock() if device.type == "cuda" else _HostClock()
+
+
 class Pacer:
     """Which micro-batches this rank computes fully, and what it computed (no communication:
     paces and weights travel in the rounds' count all-reduce).
@@ -130,7 +137,7 @@ class Pacer:
         self.rank = rank
         #: set by the optimizer once it knows the loop (``LowCommOptimizer.bind_loop``)
         self.active = True
-        self._clock = _CudaClock() if device.type == "cuda" else _HostClock()
+        self._clock = device_clock(device)
         self._wait_seconds = wait_seconds
         self._samples = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}  # by computed
         self._pending: Deque[tuple] = deque()  # (start, end, computed, waited) not yet read

@@ -183,8 +183,8 @@ class ShardedStepRound(StepRound):
         self.reduced = reduced
         self.own_finite = own_finite
         self.gather = gather
-        #: after :meth:`run`: this rank's shard of the new parameters (in ``target``'s dtype
-        #: when ``gather`` is False; with ``delta``, their change in its dtype)
+        #: after :meth:`run`: this rank's shard of the new parameters (the fp32 master; with
+        #: ``delta``, their change in its dtype)
         self.out: Optional[torch.Tensor] = None
         #: with ``local_count``: the micro-batches each rank summed into this round
         self.rank_counts: Optional[List[int]] = None
@@ -260,11 +260,9 @@ class ShardedStepRound(StepRound):
                 self.adamw.step(grad, self.hyper, factor)
             if self.after_update is not None:
                 self.after_update()
-            # The master itself: the all-gather converts it chunk by chunk (no shard-sized copy);
-            # a caller that gathers it (zero1's overlap) gets it in the model's dtype.
+            # The master itself: the all-gather converts it chunk by chunk, a caller that gathers
+            # it (zero1's overlap) bucket by bucket: no shard-sized copy in the model's dtype.
             out = self.adamw.master
-            if not self.gather and self.delta is None:
-                out = out.to(self.target.dtype)
         if self.delta is not None:
             # The change from what the model holds (not from the master: the two differ by the
             # previous change's rounding), computed in fp32 and rounded once.

@@ -104,11 +104,15 @@ class CommWorker:
             torch.cuda.current_stream().wait_event(ticket.done_event)
 
     def close(self) -> None:
-        """Let queued rounds finish, then stop the thread."""
+        """Let queued rounds finish, then stop the thread. On CUDA also wait until the GPU has
+        finished them: the buffers they write were allocated on the training stream (no
+        ``record_stream``), so freeing them with a round still running would hand its memory back."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+            if self.cuda:
+                self.stream.synchronize()
 
     def _loop(self) -> None:
         if self.cuda:

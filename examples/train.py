@@ -167,18 +167,24 @@ def read_link_bytes() -> int:
         return int(f.read())
 
 
-def max_over_ranks(x: float, device: torch.device) -> float:
-    """``x``'s maximum over the ranks. ``device``: the engine's (the default group is NCCL alone
-    on GPUs, which refuses CPU tensors)."""
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+def host_group():
+    """A gloo group over every rank for this script's host numbers (losses, counts, memory):
+    CPU tensors, so reading a result never waits for the GPU, and never an NCCL collective beside
+    a round ds_lowcomm has in flight on its own communicator. Collective: every rank calls it."""
+    return torch.distributed.new_group(backend="gloo")
+
+
+def max_over_ranks(x: float, group) -> float:
+    """``x``'s maximum over the ranks of ``group`` (:func:`host_group`)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return t.item()
 
 
-def mean_over_ranks(x: float, device: torch.device) -> float:
-    """``x``'s mean over the ranks (see :func:`max_over_ranks`)."""
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
+def mean_over_ranks(x: float, group) -> float:
+    """``x``'s mean over the ranks of ``group`` (:func:`host_group`)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t, group=group)
     return t.item() / torch.distributed.get_world_size()
 
 
@@ -211,14 +217,14 @@ class ByteMeter:
 
 
 @torch.no_grad()
-def evaluate(engine, tokens, args, rank, mbs, step) -> float:
+def evaluate(engine, tokens, args, rank, mbs, step, group) -> float:
     engine.eval()
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     for i in range(args.eval_iters):
         xy = to_device(sample_batch(tokens, args.seed + 1, step, i, rank, mbs, args.block_size), engine.device)
         total += engine(xy[:, :-1], labels=xy[:, :-1]).loss.detach()
     engine.train()
-    return mean_over_ranks(total.item() / args.eval_iters, engine.device)
+    return mean_over_ranks(total.item() / args.eval_iters, group)
 
 
 def deepspeed_engine(args, model):
@@ -253,6 +259,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     model = build_model(args, tok.vocab_size)
     engine = make_engine(args, model)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    host = host_group()
     mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else getattr(engine, "name", "deepspeed")
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * args.block_size
@@ -322,7 +329,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
                 records.write(json.dumps({"step": done, "train_s": train_time, "loss": float(losses[-1]),
                                           "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
         if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
-            vl = evaluate(engine, val_tokens, args, rank, mbs, done)  # not on the training clock
+            vl = evaluate(engine, val_tokens, args, rank, mbs, done, host)  # not on the training clock
             say(f"step {done}: val loss {vl:.4f}", flush=True)
             if records:
                 records.write(json.dumps({"step": done, "train_s": train_time, "val_loss": vl,
@@ -334,7 +341,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     link_bytes = read_link_bytes() - link_start if link_start is not None else None
     if hasattr(engine, "comm_stats"):  # ds_lowcomm: install the update still in flight (acco, demo overlap)
         engine.optimizer.flush()
-    val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps)
+    val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps, host)
     if records:
         records.write(json.dumps({"step": args.max_steps, "train_s": train_time, "val_loss": val_loss,
                                   "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
@@ -342,10 +349,10 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     steps_run = args.max_steps - start
     # Tokens actually trained on, all ranks: under acco a rank may compute more or fewer
     # micro-batches per step than gradient_accumulation_steps.
-    tokens_run = int(round(mean_over_ranks(micro_batches, engine.device) * world)) * mbs * args.block_size
+    tokens_run = int(round(mean_over_ranks(micro_batches, host) * world)) * mbs * args.block_size
     result = {
         "mode": mode, "world_size": world,
-        "final_train_loss": mean_over_ranks(float(losses[-1]), engine.device) if losses else float("nan"),
+        "final_train_loss": mean_over_ranks(float(losses[-1]), host) if losses else float("nan"),
         "val_loss": val_loss, "steps": args.max_steps,
         "tokens": start * tokens_per_step + tokens_run,
         "tokens_per_s": tokens_run / train_time if train_time else float("nan"),
@@ -355,12 +362,12 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         "micro_batches_per_round": meter.micro_batches_per_round(),
         # Loopback counts every rank's traffic once: per rank is the total over the world size.
         "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,
-        "peak_rss_mb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.device),
+        "peak_rss_mb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, host),
     }
     if torch.device(engine.device).type == "cuda":
         for key, read in (("gpu_max_allocated_mb", torch.cuda.max_memory_allocated),
                           ("gpu_max_reserved_mb", torch.cuda.max_memory_reserved)):
-            result[key] = max_over_ranks(read() / 2**20, engine.device)
+            result[key] = max_over_ranks(read() / 2**20, host)
     say(f"final: train loss {result['final_train_loss']:.4f} | val loss {val_loss:.4f} | "
         f"{result['tokens_per_s']:,.0f} tok/s", flush=True)
     if records:

@@ -30,6 +30,9 @@ class FakeStream:
     def wait_event(self, event):
         _log("wait_event", self.name, event.name)
 
+    def synchronize(self):
+        _log("synchronize", self.name)
+
 
 TRAINING = FakeStream(name="training")
 
@@ -94,9 +97,10 @@ def test_cuda_round_protocol(monkeypatch):
     ticket.done_event.finished = True
     assert worker.poll(ticket)
     worker.wait(ticket)
-    worker.close()
+    assert LOG[-1] == ("MainThread", "wait_event", "training", done)
+    assert not [e for e in LOG if e[1] == "synchronize"], LOG  # the host never waited for the GPU
     comm = [entry[1:] for entry in LOG if entry[0] == "ds_lowcomm-comm"]
     assert comm == [("set_device", "cuda:0"), ("wait_event", "side", ready), ("run", "side"),
                     ("record", done, "side")], LOG
-    assert LOG[-1] == ("MainThread", "wait_event", "training", done)
-    assert not [e for e in LOG if e[1] == "synchronize"], LOG  # the host never waits for the GPU
+    worker.close()  # ... except at the end: nothing the side stream writes is freed under it
+    assert LOG[-1] == ("MainThread", "synchronize", "side")

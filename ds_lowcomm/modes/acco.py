@@ -57,7 +57,6 @@ in place).
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, List, Optional
@@ -70,6 +69,7 @@ from ds_lowcomm.flat import gather_full
 from ds_lowcomm.inflight import InFlight
 from ds_lowcomm.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_one_shard_group
+from ds_lowcomm.pace import device_clock
 from ds_lowcomm.shard_adamw import ShardAdamW
 from ds_lowcomm.sharded_step import ShardedStepRound
 
@@ -150,7 +150,11 @@ class Acco(Mode):
         self.quota = self.per_round
         self.bind_loop(marks_boundaries=False)  # the engine binds the real loop before its first backward
         self.micro_batch_seconds: Deque[float] = deque(maxlen=8)  # this rank's latest, waits excluded
-        self._compute_since: Optional[float] = None
+        # Timed on the device's clock (balance only): on a GPU the host's clock would time the
+        # queueing of kernels; marks are read once both have completed, never waiting for them.
+        self._clock = device_clock(ctx.flat.device)
+        self._timed: Deque[tuple] = deque()  # (start, end) marks not read yet
+        self._compute_since = None
         layout = ctx.flat.layout
         self.adamw = ShardAdamW(layout, ctx.flat.buffer)
         self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
@@ -207,9 +211,8 @@ class Acco(Mode):
         """``boundary``: the loop said this micro-batch ends its step (accelerate and the Trainer
         say so before every backward); a DeepSpeed loop that calls ``engine.step()`` every
         micro-batch says nothing, and acco keeps its own count."""
-        now = time.perf_counter()
-        if self._compute_since is not None:
-            self.micro_batch_seconds.append(now - self._compute_since)
+        if self.balance and self._compute_since is not None:
+            self._timed.append((self._compute_since, self._clock.mark()))
         self.since_switch += 1
         if self.since_switch >= self.quota and (not self.aww or self.inflight.ready()):
             self._switch()  # else: compute another micro-batch while the round runs
@@ -222,7 +225,7 @@ class Acco(Mode):
             self.next_estimate = False
             self._switch()
         # From here to the next call is this rank's compute (the switch's wait is not).
-        self._compute_since = time.perf_counter()
+        self._compute_since = self._clock.mark() if self.balance else None
 
     def _switch(self) -> None:
         """Install the finished round (if any) and launch the next one."""
@@ -280,6 +283,9 @@ class Acco(Mode):
             # after estimates too would degrade ACCO to DPU).
             grads.zero_()
         if self.balance:  # 0: not measured yet (the quota stays as it is)
+            while self._timed and (seconds := self._clock.seconds(*self._timed[0])) is not None:
+                self._timed.popleft()
+                self.micro_batch_seconds.append(seconds)
             pace = statistics.median(self.micro_batch_seconds) if len(self.micro_batch_seconds) >= 3 else 0.0
             weighting = dict(local_paces=[pace])
         cheap = self.next_estimate and self.estimate_delta is not None

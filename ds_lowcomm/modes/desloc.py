@@ -7,8 +7,8 @@ the fp32 master every ``param_sync_every`` (Kx) steps, the first moment every
 default 6·Kx). v is averaged (not √v) and the step count never is. Optionally the parameter
 average feeds an outer Nesterov optimizer (DiLoCo-style: pseudo-gradient = parameters at the last
 sync − average; ``outer_lr``, ``outer_momentum``). The averages due in the same
-step travel in one all-reduce, after the local update and before the all-gather inside the shard
-group. Local Adam is the special case Kx = Ku = Kv; Kx = Ku = Kv = 1 is *not* DDP (averaging Adam
+step travel one all-reduce per state, in place, after the local update and before the all-gather
+inside the shard group. Local Adam is the special case Kx = Ku = Kv; Kx = Ku = Kv = 1 is *not* DDP (averaging Adam
 updates is not Adam on the averaged gradient).
 
 Bytes per rank per step across replica groups, R replicas, S shard elements in fp32:
@@ -101,12 +101,12 @@ class Desloc(Mode):
         due = [k for k, every in self.periods.items() if every != NEVER and t % every == 0]
         if replica is None or not due:
             return
-        states = [getattr(self.adamw, k) for k in due]
-        buf = torch.cat(states)
-        replica.all_reduce(buf)
-        buf.mul_(1.0 / replica.world)
-        for state, avg in zip(states, buf.split([s.numel() for s in states])):
-            state.copy_(avg)
+        # Each state averaged in place, one all-reduce apiece: one concatenated call would hold a
+        # copy of them all (up to 12/S bytes per parameter) for the same bytes on the wire.
+        for k in due:
+            state = getattr(self.adamw, k)
+            replica.all_reduce(state)
+            state.mul_(1.0 / replica.world)
         if self.outer and "master" in due:
             o = self.options
             delta = self.anchor - self.adamw.master  # identical on every replica: from averages
