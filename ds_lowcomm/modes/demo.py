@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from ds_lowcomm.checkpoint import check_rank_layout, rank_layout
-from ds_lowcomm.comm import temporary
+from ds_lowcomm.comm import CHUNK_BYTES, temporary
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.flat import gather_full
@@ -115,7 +115,7 @@ class DemoRound(StepRound):
         for seg in mode.segments:
             sl = slice(seg.start, seg.end)
             delta[sl].add_(grad[sl], alpha=hyper[seg.group]["lr"])
-        local_ok = local_ok and bool(torch.isfinite(delta).all())
+        local_ok = local_ok and all_finite(delta)  # a reduction: no shard-sized flags
         idx, vals = mode.codec.encode(delta)
         if not local_ok:
             # The verdict rides in the payload: NaN values make every replica's decoded update
@@ -129,7 +129,7 @@ class DemoRound(StepRound):
             replica.all_gather(gathered, payload)
             payloads = list(gathered.chunk(replica.world))
         update = mode.codec.decode_mean(payloads)
-        self.skipped = not bool(torch.isfinite(update).all())  # checked before sign(): sign(NaN) hides it
+        self.skipped = not all_finite(update)  # checked before sign(): sign(NaN) hides it
 
         if not self.skipped:
             mode.delta = delta.sub_(mode.codec.dense(idx, vals))  # error feedback
@@ -138,7 +138,7 @@ class DemoRound(StepRound):
                 sl, hp = slice(seg.start, seg.end), hyper[seg.group]
                 mode.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
             mode.step_count += 1
-        shard.all_gather(self.target, mode.master.to(self.target.dtype, copy=True))
+        shard.all_gather(self.target, mode.master)  # converted chunk by chunk
 
     def install(self) -> None:
         self.mode.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
@@ -215,17 +215,18 @@ class Demo(Mode):
         ctx, send, loss_scale = self.ctx, self.send, self.ctx.loss_scale
         norm = torch.linalg.vector_norm(send, dtype=torch.float64) / loss_scale
         scale = clip_scale_tensor(norm, ctx.gradient_clipping)
-        step = self.delta * self.options.beta
-        for seg in self.segments:
-            sl = slice(seg.start, seg.end)
-            step[sl].addcmul_(send[sl], scale * hyper[seg.group]["lr"] / loss_scale)
-        step.sign_()
         # A non-finite gradient: the round will skip this step, and the model stays where it is
         # (computing at a non-finite point would spread it): the step becomes zero.
-        step.nan_to_num_(0.0).mul_(torch.isfinite(norm))
+        finite = torch.isfinite(norm)
+        chunk = CHUNK_BYTES // 4  # the step chunk by chunk: no shard-sized temporary
+        scratch = temporary(min(chunk, self.delta.numel()), torch.float32, self.delta.device)
         for seg in self.segments:
-            sl = slice(seg.start, seg.end)
-            ctx.flat.buffer[sl].sub_(step[sl], alpha=hyper[seg.group]["lr"])
+            lr = hyper[seg.group]["lr"]
+            for a in range(seg.start, seg.end, chunk):
+                b = min(a + chunk, seg.end)
+                step = torch.mul(self.delta[a:b], self.options.beta, out=scratch[:b - a])
+                step.addcmul_(send[a:b], scale * lr / loss_scale).sign_().nan_to_num_(0.0).mul_(finite)
+                ctx.flat.buffer[a:b].sub_(step, alpha=lr)
 
     def flush(self) -> None:
         """Overlap: install the update in flight, so the model holds the latest parameters."""
