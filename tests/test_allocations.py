@@ -18,14 +18,7 @@ import workers
 from dist import run_ranks
 from ds_lowcomm.buckets import BUCKET_BYTES
 
-MODES = {
-    "zero1": {},
-    "zero1-overlap": {"zero1": {"overlap": True}},
-    "acco": {"acco": {"variant": "acco", "accumulate_while_waiting": False, "balance": False}},
-    "demo-overlap": {"shard_group_size": 1, "demo": {"overlap": True, "topk": 8, "chunk": 32}},
-    "desloc": {"shard_group_size": 1, "desloc": {"param_sync_every": 1, "momentum_sync_every": 1,
-                                                  "variance_sync_every": 1}},
-}
+MODES = workers.STEP_MODES
 #: step buffers of a shard's size that a mode's formula counts (README, "Memory per GPU"), as
 #: (allocating function, op, dtype): acco's estimate round writes the estimated parameters into a
 #: shard in the model's dtype (p/W); DeMo's round builds the new δ beside the old one (4/S) and

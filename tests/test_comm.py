@@ -111,6 +111,11 @@ def test_reduce_scatter_and_all_gather_match_the_sums(chunk_bytes):
         assert calls == 2 + 2 * 5 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2 + 4 + 2))
 
 
+#: (input, wire, output) dtypes of the native branch's reduce-scatter: as they are, and converted
+NATIVE_CASES = ((torch.float32, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.float32),
+                (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16))
+
+
 def _native(rank, world, chunk_bytes):
     """The branch NCCL takes (the backend's own reduce-scatter and all-gather), run on gloo."""
     import torch.distributed as dist
@@ -141,10 +146,7 @@ def _native(rank, world, chunk_bytes):
         c = comm.Collectives(dist.group.WORLD, stats, 30.0, "shard")
         c.reduce_scatter_by_all_to_all = False
         out = {"largest": {}}
-        for inp_dtype, wire, out_dtype in ((torch.float32, torch.float32, torch.float32),
-                                           (torch.float32, torch.bfloat16, torch.float32),
-                                           (torch.bfloat16, torch.float32, torch.float32),
-                                           (torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+        for inp_dtype, wire, out_dtype in NATIVE_CASES:
             got = torch.full((SHARD,), float("nan"), dtype=out_dtype)
             inp = _inputs(rank).to(inp_dtype)
             LargestResult.largest = 0
@@ -173,10 +175,7 @@ def test_native_branch_matches_the_sums(chunk_bytes):
     results = run_ranks(_native, WORLD, chunk_bytes)
     inputs = [_inputs(r).view(WORLD, SHARD) for r in range(WORLD)]
     for rank, res in enumerate(results):
-        for inp_dtype, wire, out_dtype in ((torch.float32, torch.float32, torch.float32),
-                                           (torch.float32, torch.bfloat16, torch.float32),
-                                           (torch.bfloat16, torch.float32, torch.float32),
-                                           (torch.bfloat16, torch.bfloat16, torch.bfloat16)):
+        for inp_dtype, wire, out_dtype in NATIVE_CASES:
             want = sum(inputs[r][rank].to(inp_dtype).to(wire).double() for r in range(WORLD))
             tol = 1e-6 if wire == out_dtype == torch.float32 else 2e-2  # bf16: 8 bits of mantissa
             got = res[f"rs_{inp_dtype}_{wire}_{out_dtype}"].double()

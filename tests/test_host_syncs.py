@@ -21,14 +21,7 @@ import torch
 import workers
 from dist import run_ranks
 
-MODES = {
-    "zero1": {},
-    "zero1-overlap": {"zero1": {"overlap": True}},
-    "acco": {"acco": {"variant": "acco", "accumulate_while_waiting": False, "balance": False}},
-    "demo-overlap": {"shard_group_size": 1, "demo": {"overlap": True, "topk": 8, "chunk": 32}},
-    "desloc": {"shard_group_size": 1, "desloc": {"param_sync_every": 1, "momentum_sync_every": 2,
-                                                  "variance_sync_every": 2}},
-}
+MODES = workers.STEP_MODES
 #: host reads per step on the training thread: the synchronous modes' global norm (its verdict
 #: decides on the host whether to update); none in the overlapped ones
 TRAINING_THREAD = {"zero1": 1, "zero1-overlap": 0, "acco": 0, "demo-overlap": 0, "desloc": 1}

@@ -22,6 +22,18 @@ BASE_CONFIG = {
 }
 
 
+#: every mode's step, deterministic and syncing every step, as the step audits take it:
+#: ``config(name.split("-")[0], **STEP_MODES[name])``
+STEP_MODES = {
+    "zero1": {},
+    "zero1-overlap": {"zero1": {"overlap": True}},
+    "acco": {"acco": {"variant": "acco", "accumulate_while_waiting": False, "balance": False}},
+    "demo-overlap": {"shard_group_size": 1, "demo": {"overlap": True, "topk": 8, "chunk": 32}},
+    "desloc": {"shard_group_size": 1, "desloc": {"param_sync_every": 1, "momentum_sync_every": 1,
+                                                  "variance_sync_every": 1}},
+}
+
+
 def config(mode: Optional[str] = "zero1", bf16: bool = False, **lowcomm) -> dict:
     cfg = copy.deepcopy(BASE_CONFIG)
     if bf16:
