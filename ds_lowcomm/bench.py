@@ -368,7 +368,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
                       final_train_loss=statistics.mean(p["final_train_loss"] for p in parts),
                       val_loss=statistics.mean(p["val_loss"] for p in parts),
                       bytes_sent_per_rank_per_step=0.0, bytes_received_per_rank_per_step=0.0,
-                      comm_wait_s_per_step=0.0, link_bytes_per_rank_per_step=None)
+                      exposed_comm_s_per_step=0.0, link_bytes_per_rank_per_step=None)
         result["records"] = _ideal_records(logs / f"{label}.rank0.jsonl", args.world_size)
         return result
     log_json = logs / f"{label}.jsonl"
@@ -498,7 +498,7 @@ def summarize(mode: str, runs: List[dict], bandwidth: Optional[str], steps: int)
     link = med("link_bytes_per_rank_per_step")
     return {"mode": mode, "world_size": runs[0]["world_size"], "bandwidth": bandwidth,
             "tokens_per_s": med("tokens_per_s"), "step_time_s": med("step_time_s"),
-            "exposed_comm_s_per_step": med("comm_wait_s_per_step"),
+            "exposed_comm_s_per_step": med("exposed_comm_s_per_step"),
             "bytes_sent_per_rank_per_step": med("bytes_sent_per_rank_per_step"),
             "bytes_received_per_rank_per_step": med("bytes_received_per_rank_per_step"),
             "link_bytes_per_step": link,

@@ -78,11 +78,15 @@ class OpStats:
 
 
 class CommStats:
-    """Counters for one process: per collective, plus time the training thread waited for rounds."""
+    """Counters for one process: per collective, plus the time training waited for rounds."""
 
     def __init__(self) -> None:
         self.ops: Dict[str, OpStats] = defaultdict(OpStats)
-        self.wait_seconds = 0.0
+        #: the training thread blocked on the host for a round (inline rounds: all of their time)
+        self.host_wait_seconds = 0.0
+        #: the training stream held by a round still running on the side stream (CUDA only; timed
+        #: by events around the stream's wait, counted once they have completed)
+        self.device_wait_seconds = 0.0
         self.round_seconds = 0.0
         self.rounds = 0
 
@@ -92,6 +96,11 @@ class CommStats:
         s.bytes_sent += sent
         s.bytes_received += received
         s.seconds += seconds
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        """Communication training waited for: on the host and on the device."""
+        return self.host_wait_seconds + self.device_wait_seconds
 
     @property
     def bytes_sent(self) -> float:
@@ -105,7 +114,8 @@ class CommStats:
         """A JSON-ready copy: totals, rounds, time waited and per-collective counters."""
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "rounds": self.rounds, "round_seconds": self.round_seconds,
-                "wait_seconds": self.wait_seconds,
+                "exposed_comm_seconds": self.exposed_comm_seconds,
+                "host_wait_seconds": self.host_wait_seconds, "device_wait_seconds": self.device_wait_seconds,
                 "ops": {name: asdict(s) for name, s in sorted(self.ops.items())}}
 
 
@@ -287,9 +297,66 @@ class Collectives:
 
     def counted_in(self, stats: CommStats) -> "Collectives":
         """The same group, counting into ``stats`` (e.g. checkpoint traffic kept out of training)."""
-        other = Collectives.__new__(Collectives)
+        other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__, stats=stats)
         return other
+
+
+
+class GroupOfOne(Collectives):
+    """:class:`Collectives` over this rank alone (``shard_group_size: 1``), with no process group.
+
+    Each private group on a GPU is an NCCL communicator, and DeepSpeed 0.19.8 initialises the
+    process group with ``device_id``, which makes torch create every ``new_group`` eagerly: a
+    group of one would cost a communicator (its init and buffers) for collectives that move
+    nothing. Every collective here is a local copy with the group's semantics (a sum of one
+    rank's values, converted to the wire dtype and back as the wire would), counted with zero
+    bytes; conversions go chunk by chunk (transients of ``CHUNK_BYTES``). Cost: none on any link.
+    """
+
+    def __init__(self, stats: CommStats, timeout_s: float, name: str) -> None:
+        self.group = None
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.name = name
+        self.world, self.rank = 1, 0
+        self.ranks = [dist.get_rank()]
+        self.reduce_scatter_by_all_to_all = False
+
+    def _copy(self, op: str, out: torch.Tensor, inp: torch.Tensor, via: torch.dtype) -> None:
+        t0 = time.perf_counter()
+        if inp.dtype == via or out.dtype == via:  # one conversion at most: no rounding is lost
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+        else:
+            step = max(1, CHUNK_BYTES // torch.empty((), dtype=via).element_size())
+            buf = temporary(min(step, inp.numel()), via, inp.device)
+            for a in range(0, inp.numel(), step):
+                part = inp[a:a + step]
+                out[a:a + part.numel()].copy_(buf[:part.numel()].copy_(part))
+        self.stats.record(f"{self.name}.{op}", 0.0, 0.0, time.perf_counter() - t0)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
+                       wire_dtype: Optional[torch.dtype] = None) -> None:
+        """``out`` = ``inp`` through the wire dtype (the sum over one rank)."""
+        self._copy("reduce_scatter", out, inp, wire_dtype or inp.dtype)
+
+    def reduce_scatter_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int,
+                             wire_dtype: Optional[torch.dtype] = None) -> None:
+        """``out[start:end]`` = ``inp[start:end]`` through the wire dtype."""
+        self._copy("reduce_scatter", out[start:end], inp[start:end], wire_dtype or inp.dtype)
+
+    def all_gather_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int) -> None:
+        """``out[start:end]`` = ``inp[start:end]``, in ``out``'s dtype."""
+        self._copy("all_gather", out[start:end], inp[start:end], out.dtype)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` = ``inp``, in ``out``'s dtype."""
+        self._copy("all_gather", out, inp, out.dtype)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Nothing to add: ``t`` is already the sum."""
+        self.stats.record(f"{self.name}.all_reduce", 0.0, 0.0, 0.0)
 
 
 def _sum_rows(rows: torch.Tensor, dst: torch.Tensor) -> None:

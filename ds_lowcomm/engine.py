@@ -22,8 +22,8 @@ from ds_lowcomm.optimizer import LowCommOptimizer
 from ds_lowcomm.pace import token_weight
 
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
-MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "wait_seconds_per_step",
-             "round_seconds_per_step", "micro_batches_per_round", "skipped_steps")
+MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "exposed_comm_s_per_step",
+             "round_s_per_step", "micro_batches_per_round", "skipped_steps")
 _DROPPED_JSON_PARAMS = ("torch_adam", "adam_w_mode", "fused", "foreach")
 _ADAM_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "LowCommOptimizer")
 

@@ -27,8 +27,8 @@ def trainer_metrics(engine) -> dict:
     s = engine.comm_stats()
     out = {f"{PREFIX}bytes_sent_per_step": s["bytes_sent_per_step"],
            f"{PREFIX}bytes_received_per_step": s["bytes_received_per_step"],
-           f"{PREFIX}exposed_comm_s_per_step": s["wait_seconds_per_step"],
-           f"{PREFIX}comm_s_per_step": s["round_seconds_per_step"],
+           f"{PREFIX}exposed_comm_s_per_step": s["exposed_comm_s_per_step"],
+           f"{PREFIX}round_s_per_step": s["round_s_per_step"],
            f"{PREFIX}skipped_steps": s["skipped_steps"]}
     if engine.fp16_enabled():
         out[f"{PREFIX}loss_scale"] = s["loss_scale"]

@@ -99,7 +99,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if mode_cls.paces and config.pace != "slowest":
             self.pacer = Pacer(mode_cls.pace_block(config.mode_options, self.gradient_accumulation_steps),
                                self.topology.shard.rank, device=self.flat.device,
-                               wait_seconds=lambda: self.stats.wait_seconds)
+                               host_wait_seconds=lambda: self.stats.host_wait_seconds)
         #: ``steps`` when this process started counting bytes (a resume restores ``steps``)
         self.steps_at_start = 0
         #: called after each optimizer step is taken (the engine's hook)
@@ -253,15 +253,18 @@ class LowCommOptimizer(torch.optim.Optimizer):
         return self.mode.master_weights()
 
     def comm_stats(self) -> dict:
-        """Bytes and times since the start: per collective, per round, and averages per step."""
+        """Bytes and times since the start: per collective, per round, and averages per step.
+        ``exposed_comm_s_per_step``: communication training waited for, on the host and (CUDA)
+        on the device, the latter as far as its timing events have completed. No communication."""
+        self.worker.count_device_waits()
         out = self.stats.as_dict()
         steps = max(self.steps - self.steps_at_start, 1)  # the counters start with this process
         out.update(steps=self.steps, micro_batches=self.micro_batches, skipped_steps=self.skipped_steps,
                    loss_scale=self.loss_scale,
                    bytes_sent_per_step=out["bytes_sent"] / steps,
                    bytes_received_per_step=out["bytes_received"] / steps,
-                   wait_seconds_per_step=out["wait_seconds"] / steps,
-                   round_seconds_per_step=out["round_seconds"] / steps, **self.mode.metrics())
+                   exposed_comm_s_per_step=out["exposed_comm_seconds"] / steps,
+                   round_s_per_step=out["round_seconds"] / steps, **self.mode.metrics())
         if self.pacer is not None and self.pacer.active:
             out["computed_share_by_rank"] = self.pacer.computed_shares()
         return out

@@ -129,19 +129,21 @@ class Pacer:
         block_size: micro-batches per block (GAS for a step; GAS/2 for an acco round).
         rank: this rank's index in the round's group.
         device: where the device clock runs (CUDA events on a GPU, the host's clock otherwise).
-        wait_seconds: seconds this rank has waited for communication so far (excluded from paces).
+        host_wait_seconds: seconds this rank's host has waited for communication so far (excluded
+            from paces; a wait the GPU does on its stream, such as for zero1 overlap's parameter
+            buckets, falls inside the device clock's interval and counts as compute).
     """
 
-    def __init__(self, block_size: int, rank: int, *, device: torch.device, wait_seconds) -> None:
+    def __init__(self, block_size: int, rank: int, *, device: torch.device, host_wait_seconds) -> None:
         self.block_size = block_size
         self.rank = rank
         #: set by the optimizer once it knows the loop (``LowCommOptimizer.bind_loop``)
         self.active = True
         self._clock = device_clock(device)
-        self._wait_seconds = wait_seconds
+        self._host_wait_seconds = host_wait_seconds
         self._samples = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}  # by computed
         self._pending: Deque[tuple] = deque()  # (start, end, computed, waited) not yet read
-        self._begun = None  # (mark, computed, wait_seconds) of the micro-batch in progress
+        self._begun = None  # (mark, computed, host_wait_seconds) of the micro-batch in progress
         self._seen = 0  # micro-batches ended since the start
         self.position = 0  # micro-batches begun in this block
         self.quota = block_size
@@ -154,7 +156,7 @@ class Pacer:
         """A forward pass starts: whether it runs with gradients (False: forward only). Host only."""
         computed = not self.active or self.position < self.quota
         if self.active:
-            self._begun = (self._clock.mark(), computed, self._wait_seconds())
+            self._begun = (self._clock.mark(), computed, self._host_wait_seconds())
             self._read()
         self.position += 1
         return computed
@@ -164,7 +166,7 @@ class Pacer:
         self._seen += 1
         if self._begun is not None and self._seen > WARMUP:
             start, computed, waited = self._begun
-            self._pending.append((start, self._clock.mark(), computed, self._wait_seconds() - waited))
+            self._pending.append((start, self._clock.mark(), computed, self._host_wait_seconds() - waited))
         self._begun = None
 
     def end_block(self) -> None:

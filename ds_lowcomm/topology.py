@@ -7,7 +7,8 @@ replica groups (ranks with the same index in every shard group: the slow links b
 
 ZeRO-1 sharding happens inside a shard group; modes that exchange compressed or infrequent
 updates (DeMo, DES-LOC) talk across replica groups. All groups are private (``dist.new_group``)
-so our collectives never interleave with the training script's or DeepSpeed's own.
+so our collectives never interleave with the training script's or DeepSpeed's own; a shard group
+of one rank is no group at all (:class:`~ds_lowcomm.comm.GroupOfOne`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ds_lowcomm.comm import Collectives, CommStats
+from ds_lowcomm.comm import Collectives, CommStats, GroupOfOne
 from ds_lowcomm.config import LowCommConfigError
 
 
@@ -52,7 +53,9 @@ class Topology:
         shard = replica = None
         # new_group is collective over the world and must be called for every group in the same
         # order on every rank, including the groups this rank is not in.
-        for start in range(0, world, g):
+        if g == 1:  # no communicator for a group of one (each would be an eager NCCL one)
+            shard = GroupOfOne(stats, timeout_s, "shard")
+        for start in range(0, world, g) if g > 1 else ():
             ranks = list(range(start, start + g))
             pg = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:

@@ -18,7 +18,11 @@ running:
   GIL, while the training thread computes.
 
 Stats: ``round_seconds`` (host time in ``run()``: on CPU the communication; on CUDA its enqueueing
-and any host read the round makes) and ``wait_seconds`` (training thread blocked).
+and any host read the round makes), ``host_wait_seconds`` (training thread blocked) and, on CUDA,
+``device_wait_seconds``: the training stream held by :meth:`CommWorker.wait` until the round's done
+event, timed by two events around the stream's wait (the first completes when the compute queued
+before it has, the second when the round has too) and read once both have completed, never
+waited for.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ class CommWorker:
         self.cuda = device.type == "cuda"
         self.device = device
         self._queue: "queue.Queue[Optional[Ticket]]" = queue.Queue()
+        self._device_waits: "list[tuple]" = []  # (before, after) timing events not yet read
         self._thread: Optional[threading.Thread] = None
         if asynchronous:
             self.stream = torch.cuda.Stream(device=device) if self.cuda else None
@@ -74,7 +79,7 @@ class CommWorker:
         if not self.asynchronous:
             t0 = time.perf_counter()
             self._execute(ticket)
-            self.stats.wait_seconds += time.perf_counter() - t0
+            self.stats.host_wait_seconds += time.perf_counter() - t0
             ticket.result()  # raises the round's error
             return ticket
         if self.cuda:
@@ -98,10 +103,23 @@ class CommWorker:
         if not ticket.done():
             t0 = time.perf_counter()
             concurrent_wait([ticket])
-            self.stats.wait_seconds += time.perf_counter() - t0
+            self.stats.host_wait_seconds += time.perf_counter() - t0
         ticket.result()
         if ticket.done_event is not None:
-            torch.cuda.current_stream().wait_event(ticket.done_event)
+            stream = torch.cuda.current_stream()
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(ticket.done_event)
+            after.record(stream)
+            self._device_waits.append((before, after))
+            self.count_device_waits()
+
+    def count_device_waits(self) -> None:
+        """Add the device-side waits whose timing events have completed to
+        ``stats.device_wait_seconds``, in order. Never blocks (queries the events)."""
+        while self._device_waits and self._device_waits[0][1].query():
+            before, after = self._device_waits.pop(0)
+            self.stats.device_wait_seconds += before.elapsed_time(after) / 1000.0
 
     def close(self) -> None:
         """Let queued rounds finish, then stop the thread. On CUDA also wait until the GPU has

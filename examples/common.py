@@ -1,5 +1,6 @@
-"""What the example scripts share: their argparse types and the emulated slower accelerator
-(``--slow-ranks RANK:FACTOR[,...]``, which the tests' user scripts also take, from ``SLOW_RANKS``)."""
+"""What the example scripts share: their argparse types, the emulated slower accelerator
+(``--slow-ranks RANK:FACTOR[,...]``, which the tests' user scripts also take, from ``SLOW_RANKS``)
+and the reductions of their own host numbers over the ranks."""
 from __future__ import annotations
 
 import argparse
@@ -70,3 +71,32 @@ def slow_down_from_env(model: torch.nn.Module) -> None:
     spec = parse_slow_ranks(os.environ.get("SLOW_RANKS", ""))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     slow_down(model, slow_factor(spec, rank, world))
+
+
+def host_group():
+    """A gloo group over every rank for a script's host numbers (losses, counts, memory), or None
+    without a process group. CPU tensors: reading a result never waits for the GPU, and it is never
+    an NCCL collective beside a round ds_lowcomm has in flight on its own communicator (NCCL
+    documents concurrent work on two communicators as a possible deadlock). Collective: every rank
+    calls it."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
+def max_over_ranks(x: float, group) -> float:
+    """``x``'s maximum over the ranks of ``group`` (:func:`host_group`); ``x`` when it is None."""
+    if group is None:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def mean_over_ranks(x: float, group) -> float:
+    """``x``'s mean over the ranks of ``group`` (:func:`host_group`); ``x`` when it is None."""
+    if group is None:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t, group=group)
+    return t.item() / torch.distributed.get_world_size(group)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from common import fraction, parse_slow_ranks, slow_down, slow_factor
+from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -102,30 +102,21 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-def all_ranks(x: float, device, op: str = "sum") -> float:
-    """``x`` summed (``op="max"``: the largest) over the ranks; ``x`` itself without a process group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
-    return t.item()
-
-
 @torch.no_grad()
-def evaluate(model, val: torch.Tensor, iters: int, mbs: int, rank: int, world: int, device) -> float:
+def evaluate(model, val: torch.Tensor, iters: int, mbs: int, rank: int, world: int, device, group) -> float:
     """Mean loss of fixed held-out micro-batches (each rank its own ``iters``), over the ranks.
 
     The plain model in eval mode under ``no_grad``: no gradient, no engine, nothing for a
     DeepSpeed or DDP wrapper to count; every rank runs the same number of forward passes."""
     was_training = model.training
     model.eval()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)  # one host read, at the end
     for i in range(iters):
         rows = [((i * world + rank) * mbs + j) % len(val) for j in range(mbs)]
         x = val[rows].to(device)
-        total += model(input_ids=x, labels=x).loss.float().item()
+        total += model(input_ids=x, labels=x).loss.detach()
     model.train(was_training)
-    return all_ranks(total / iters, device) / world
+    return mean_over_ranks(total.item() / iters, group)
 
 
 class ValidationLog(transformers.TrainerCallback):
@@ -135,8 +126,8 @@ class ValidationLog(transformers.TrainerCallback):
     Validation runs in ``on_step_end`` on every rank at the same steps (its loss is averaged over
     the ranks), and its time is subtracted from the clock."""
 
-    def __init__(self, trainer, val: torch.Tensor, args, rank: int, world: int) -> None:
-        self.trainer, self.val, self.rank, self.world = trainer, val, rank, world
+    def __init__(self, trainer, val: torch.Tensor, args, rank: int, world: int, group) -> None:
+        self.trainer, self.val, self.rank, self.world, self.group = trainer, val, rank, world, group
         self.every, self.iters, self.mbs = args.eval_every, args.eval_iters, args.micro_batch
         self.tokens_per_step = args.micro_batch * args.gas * world * args.block_size
         self.records = open(args.log_json, "a") if (args.log_json and rank == 0) else None
@@ -153,7 +144,7 @@ class ValidationLog(transformers.TrainerCallback):
     def validate(self, step: int) -> float:
         t0 = time.perf_counter()
         loss = evaluate(self.trainer.model, self.val, self.iters, self.mbs, self.rank, self.world,
-                        self.trainer.args.device)
+                        self.trainer.args.device, self.group)
         self.eval_s += time.perf_counter() - t0
         self.write(step=step, train_s=self.train_s, val_loss=loss, tokens=step * self.tokens_per_step)
         if self.rank == 0:
@@ -268,7 +259,8 @@ def main() -> None:
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset)
     world = targs.world_size
-    log = ValidationLog(trainer, val, args, rank, world)
+    host = host_group()  # after TrainingArguments set up the process group
+    log = ValidationLog(trainer, val, args, rank, world, host)
     trainer.add_callback(log)
     if slow != 1.0:
         print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
@@ -281,13 +273,12 @@ def main() -> None:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     steps_run = out.global_step - (log.first_step or 0)  # by this process (after a resume: since it)
     tokens = out.global_step * log.tokens_per_step
-    peak_rss_mb = all_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, targs.device, "max")
+    peak_rss_mb = max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, host)
     if rank == 0:
         print(json.dumps({"engine": type(engine).__name__, "config": args.deepspeed, "steps": out.global_step,
                           "train_seconds": out.metrics["train_runtime"], "train_loss": out.training_loss,
                           "final_logged_loss": losses[-1] if losses else None,
                           "bytes_sent_per_step": lowcomm.get("bytes_sent_per_step"),
-                          "exposed_comm_s_per_step": lowcomm.get("wait_seconds_per_step"),
                           "slow_ranks": {str(k): v for k, v in args.slow_ranks.items()},
                           # the schema of examples/train.py's result line (ds_lowcomm.bench reads it);
                           # the clock excludes validation; tokens: those the loop handed out
@@ -298,7 +289,7 @@ def main() -> None:
                           "step_time_s": log.train_s / steps_run if steps_run else float("nan"),
                           "bytes_sent_per_rank_per_step": lowcomm.get("bytes_sent_per_step"),
                           "bytes_received_per_rank_per_step": lowcomm.get("bytes_received_per_step"),
-                          "comm_wait_s_per_step": lowcomm.get("wait_seconds_per_step"),
+                          "exposed_comm_s_per_step": lowcomm.get("exposed_comm_s_per_step"),
                           "micro_batches_per_round": lowcomm.get("micro_batches_per_round"),
                           "computed_share_by_rank": lowcomm.get("computed_share_by_rank"),
                           "link_bytes_per_rank_per_step": None, "peak_rss_mb": peak_rss_mb,

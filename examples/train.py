@@ -23,7 +23,7 @@ import torch
 
 import deepspeed
 import ds_lowcomm  # noqa: F401  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
-from common import fraction, parse_slow_ranks, slow_down, slow_factor
+from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -167,27 +167,6 @@ def read_link_bytes() -> int:
         return int(f.read())
 
 
-def host_group():
-    """A gloo group over every rank for this script's host numbers (losses, counts, memory):
-    CPU tensors, so reading a result never waits for the GPU, and never an NCCL collective beside
-    a round ds_lowcomm has in flight on its own communicator. Collective: every rank calls it."""
-    return torch.distributed.new_group(backend="gloo")
-
-
-def max_over_ranks(x: float, group) -> float:
-    """``x``'s maximum over the ranks of ``group`` (:func:`host_group`)."""
-    t = torch.tensor([x], dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    return t.item()
-
-
-def mean_over_ranks(x: float, group) -> float:
-    """``x``'s mean over the ranks of ``group`` (:func:`host_group`)."""
-    t = torch.tensor([x], dtype=torch.float64)
-    torch.distributed.all_reduce(t, group=group)
-    return t.item() / torch.distributed.get_world_size()
-
-
 class ByteMeter:
     """Bytes each rank sends/receives per step: ds_lowcomm's counters, or DeepSpeed's comms logger."""
 
@@ -198,7 +177,7 @@ class ByteMeter:
     def per_step(self):
         if hasattr(self.engine, "comm_stats"):
             s = self.engine.comm_stats()
-            return s["bytes_sent_per_step"], s["bytes_received_per_step"], s["wait_seconds_per_step"]
+            return s["bytes_sent_per_step"], s["bytes_received_per_step"], s["exposed_comm_s_per_step"]
         from deepspeed.comm.comm import comms_logger
 
         steps = self.engine.global_steps - self.start
@@ -358,7 +337,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         "tokens_per_s": tokens_run / train_time if train_time else float("nan"),
         "step_time_s": train_time / steps_run if steps_run else float("nan"),
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
-        "comm_wait_s_per_step": wait, "params": n_params, "skipped_steps": engine.skipped_steps,
+        "exposed_comm_s_per_step": wait, "params": n_params, "skipped_steps": engine.skipped_steps,
         "micro_batches_per_round": meter.micro_batches_per_round(),
         # Loopback counts every rank's traffic once: per rank is the total over the world size.
         "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,

@@ -189,3 +189,80 @@ def test_native_branch_matches_the_sums(chunk_bytes):
         assert calls == 4 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2 + 4 + 2))
         calls, sent = res["ops"]["shard.all_gather"]
         assert calls == 2 and sent == pytest.approx((WORLD - 1) * SHARD * (4 + 2))
+
+
+ONE_CASES = ((torch.float32, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.float32),
+             (torch.bfloat16, torch.float32, torch.bfloat16), (torch.float32, torch.float16, torch.bfloat16))
+
+
+def _group_of_one(rank, world):
+    import torch.distributed as dist
+
+    import ds_lowcomm.comm as comm
+    from ds_lowcomm.topology import Topology
+
+    comm.CHUNK_BYTES = 48  # conversions 12 fp32 elements at a time: chunk ends fall mid-range
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    created = []
+    new_group = dist.new_group
+
+    def counting(ranks=None, *args, **kwargs):
+        created.append(len(ranks) if ranks is not None else world)
+        return new_group(ranks, *args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        stats = comm.CommStats()
+        topo = Topology.build(1, 30.0, stats)
+        c = topo.shard
+        out = {"created": created, "shard_world": c.world, "replica_world": topo.replica.world}
+        x = _inputs(rank)
+        for inp_dtype, wire, out_dtype in ONE_CASES:
+            got = torch.full((x.numel(),), float("nan"), dtype=out_dtype)
+            c.reduce_scatter(got, x.to(inp_dtype), wire_dtype=wire)
+            out[f"rs_{inp_dtype}_{wire}_{out_dtype}"] = got
+            got = torch.full((x.numel(),), float("nan"), dtype=out_dtype)
+            for start, end in ((1500, x.numel()), (0, 7), (7, 1500)):
+                c.reduce_scatter_range(got, x.to(inp_dtype), start, end, wire_dtype=wire)
+            out[f"rs_range_{inp_dtype}_{wire}_{out_dtype}"] = got
+        sums = x.bfloat16()
+        c.reduce_scatter(sums, sums)  # in place, as a 2-byte round reduces its own part
+        out["rs_in_place"] = sums
+        for dtype in (torch.float32, torch.bfloat16):
+            got = torch.full((x.numel(),), float("nan"), dtype=dtype)
+            c.all_gather(got, x)
+            out[f"ag_{dtype}"] = got
+            got = torch.full((x.numel(),), float("nan"), dtype=dtype)
+            for start, end in ((0, 7), (7, 1500), (1500, x.numel())):
+                c.all_gather_range(got, x, start, end)
+            out[f"ag_range_{dtype}"] = got
+        t = x.clone()
+        c.all_reduce(t)
+        out["ar"] = t
+        out["ops"] = {k: (v.calls, v.bytes_sent, v.bytes_received) for k, v in stats.ops.items()}
+        return out
+    finally:
+        dist.new_group = new_group
+        dist.destroy_process_group()
+
+
+def test_a_shard_group_of_one_is_no_process_group():
+    """``shard_group_size: 1`` creates no group of one rank (on GPUs each would be an eagerly
+    created NCCL communicator): the replica group and the gloo control group only. Its
+    collectives are the sums over one rank: the input through the wire dtype, zero bytes."""
+    results = run_ranks(_group_of_one, 2)
+    for rank, res in enumerate(results):
+        assert sorted(res["created"]) == [2, 2], res["created"]  # the replica group, the control group
+        assert (res["shard_world"], res["replica_world"]) == (1, 2)
+        x = _inputs(rank)
+        for inp_dtype, wire, out_dtype in ONE_CASES:
+            want = x.to(inp_dtype).to(wire).to(out_dtype)
+            assert torch.equal(res[f"rs_{inp_dtype}_{wire}_{out_dtype}"], want), (inp_dtype, wire, out_dtype)
+            assert torch.equal(res[f"rs_range_{inp_dtype}_{wire}_{out_dtype}"], want), (inp_dtype, wire, out_dtype)
+        assert torch.equal(res["rs_in_place"], x.bfloat16())
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(res[f"ag_{dtype}"], x.to(dtype))
+            assert torch.equal(res[f"ag_range_{dtype}"], x.to(dtype))
+        assert torch.equal(res["ar"], x)
+        assert res["ops"] == {"shard.reduce_scatter": (4 * len(ONE_CASES) + 1, 0.0, 0.0),
+                              "shard.all_gather": (2 * 4, 0.0, 0.0), "shard.all_reduce": (1, 0.0, 0.0)}

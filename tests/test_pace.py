@@ -78,7 +78,7 @@ def test_cuda_clock_reads_events_only_once_completed(monkeypatch):
     _Event.log, _Event.done = [], False
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     waited = [0.0]
-    pacer = Pacer(4, 0, device=torch.device("cuda", 0), wait_seconds=lambda: waited[0])
+    pacer = Pacer(4, 0, device=torch.device("cuda", 0), host_wait_seconds=lambda: waited[0])
     for i in range(2 + 8):  # (the first two are not timed)
         assert pacer.begin_micro_batch()
         pacer.end_micro_batch()

@@ -97,10 +97,60 @@ def test_cuda_round_protocol(monkeypatch):
     ticket.done_event.finished = True
     assert worker.poll(ticket)
     worker.wait(ticket)
-    assert LOG[-1] == ("MainThread", "wait_event", "training", done)
+    assert LOG[-2] == ("MainThread", "wait_event", "training", done)  # between two timing events
     assert not [e for e in LOG if e[1] == "synchronize"], LOG  # the host never waited for the GPU
     comm = [entry[1:] for entry in LOG if entry[0] == "ds_lowcomm-comm"]
     assert comm == [("set_device", "cuda:0"), ("wait_event", "side", ready), ("run", "side"),
                     ("record", done, "side")], LOG
     worker.close()  # ... except at the end: nothing the side stream writes is freed under it
     assert LOG[-1] == ("MainThread", "synchronize", "side")
+
+
+def test_cuda_wait_is_timed_on_the_device(monkeypatch):
+    """``wait`` brackets the training stream's wait with two timing events; their elapsed time
+    (the stream held by the round) counts as exposed communication once both have completed,
+    read without waiting for them."""
+    LOG.clear()
+    elapsed_ms = {}
+
+    events = {}
+
+    class TimedEvent(FakeEvent):
+        def __init__(self, enable_timing=False, **k):
+            super().__init__()
+            self.timing = enable_timing
+            events[self.name] = self
+
+        def elapsed_time(self, end):
+            assert self.timing and end.timing and self.finished and end.finished
+            return elapsed_ms[(self.name, end.name)]
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", TimedEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream_context)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    stats = CommStats()
+    worker = CommWorker(stats, torch.device("cuda", 0), asynchronous=True)
+    waits = []
+    for ms in (250.0, 40.0):
+        ticket = worker.submit(Recorded())
+        ticket.result(timeout=10)
+        n = len(LOG)
+        worker.wait(ticket)
+        before, after = LOG[n][2], LOG[n + 2][2]
+        assert LOG[n:n + 3] == [("MainThread", "record", before, "training"),
+                                ("MainThread", "wait_event", "training", ticket.done_event.name),
+                                ("MainThread", "record", after, "training")]
+        elapsed_ms[(before, after)] = ms
+        waits.append((before, after))
+    assert stats.device_wait_seconds == 0.0  # not completed: nothing read, nothing waited for
+    events[waits[0][0]].finished = events[waits[0][1]].finished = True
+    worker.count_device_waits()
+    assert stats.device_wait_seconds == 0.25
+    events[waits[1][0]].finished = events[waits[1][1]].finished = True
+    worker.count_device_waits()
+    assert stats.device_wait_seconds == 0.25 + 0.04
+    assert stats.exposed_comm_seconds == stats.host_wait_seconds + 0.29
+    assert not [e for e in LOG if e[1] == "synchronize"], LOG
+    worker.close()
