@@ -4,11 +4,11 @@
 section builds a :class:`LowCommEngine`; without the section DeepSpeed runs as stock.
 """
 from ds_lowcomm.checkpoint import CheckpointError, export_fp32
-from ds_lowcomm.comm import CollectiveError
+from ds_lowcomm.comm.collectives import CollectiveError
 from ds_lowcomm.config import LowCommConfig, LowCommConfigError
-from ds_lowcomm.cpu import skip_shm_comm_build
-from ds_lowcomm.engine import LowCommEngine
-from ds_lowcomm.initialize import initialize, install
+from ds_lowcomm.integration.cpu import skip_shm_comm_build
+from ds_lowcomm.integration.engine import LowCommEngine
+from ds_lowcomm.integration.initialize import initialize, install
 from ds_lowcomm.modes import MODES
 from ds_lowcomm.optimizer import LowCommOptimizer
 

@@ -4,11 +4,11 @@ DeepSpeed runs at ZeRO stage 0 with its gradient all-reduce switched off
 (``engine.enable_backward_allreduce = False``, the hook DeepSpeed's 1-bit Adam used), so this object
 is the only thing that moves gradients or parameters between ranks. It owns:
 
-- :class:`~ds_lowcomm.flat.FlatParams`: the parameters as views of one padded flat buffer;
-- :class:`~ds_lowcomm.flat.GradAccumulator`: the gradient sums (``p.grad`` views of them, or
+- :class:`~ds_lowcomm.shard.flat.FlatParams`: the parameters as views of one padded flat buffer;
+- :class:`~ds_lowcomm.shard.flat.GradAccumulator`: the gradient sums (``p.grad`` views of them, or
   filled by post-accumulate hooks);
-- :class:`~ds_lowcomm.topology.Topology`: private shard / replica process groups;
-- :class:`~ds_lowcomm.worker.CommWorker` and :class:`~ds_lowcomm.comm.CommStats`;
+- :class:`~ds_lowcomm.comm.topology.Topology`: private shard / replica process groups;
+- :class:`~ds_lowcomm.comm.worker.CommWorker` and :class:`~ds_lowcomm.comm.collectives.CommStats`;
 - the :class:`~ds_lowcomm.modes.Mode`, which owns the optimizer state and schedules rounds.
 
 ``param_groups`` are the caller's dicts (a client optimizer's, or built from the JSON), so learning
@@ -23,15 +23,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, check_same_model, shard_meta
-from ds_lowcomm.comm import CommStats
+from ds_lowcomm.comm.collectives import CommStats
 from ds_lowcomm.config import LowCommConfig
-from ds_lowcomm.cpu import release_freed_heap
-from ds_lowcomm.context import ModeContext
-from ds_lowcomm.flat import FlatParams, GradAccumulator
+from ds_lowcomm.memory import release_freed_heap
+from ds_lowcomm.shard.context import ModeContext
+from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 from ds_lowcomm.modes import MODES
-from ds_lowcomm.pace import Pacer
-from ds_lowcomm.topology import Topology
-from ds_lowcomm.worker import CommWorker
+from ds_lowcomm.shard.pace import Pacer
+from ds_lowcomm.comm.topology import Topology
+from ds_lowcomm.comm.worker import CommWorker
 
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 logger = logging.getLogger("ds_lowcomm")
@@ -135,7 +135,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def begin_micro_batch(self) -> bool:
         """Called by the engine as a training forward pass starts: whether it runs with
         gradients (False: forward only, this rank being slower than the fastest; see
-        :mod:`ds_lowcomm.pace`). No communication, no host sync."""
+        :mod:`ds_lowcomm.shard.pace`). No communication, no host sync."""
         return True if self.pacer is None else self.pacer.begin_micro_batch()
 
     def on_backward_start(self, boundary: bool) -> None:

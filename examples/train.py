@@ -183,7 +183,7 @@ class ByteMeter:
         steps = self.engine.global_steps - self.start
         if not comms_logger.enabled or not steps:
             return None, None, None
-        from ds_lowcomm.comm import deepspeed_logged_bytes
+        from ds_lowcomm.comm.collectives import deepspeed_logged_bytes
 
         sent, recv = deepspeed_logged_bytes(comms_logger.comms_dict, torch.distributed.get_world_size())
         return sent / steps, recv / steps, None

@@ -177,7 +177,7 @@ def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estim
 
 
 def _estimate_leaves_no_trace(rank, world, monitor_dir):
-    from ds_lowcomm.sharded_step import ShardedStepRound
+    from ds_lowcomm.shard.step import ShardedStepRound
 
     cfg = acco_config()
     cfg["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "acco"}

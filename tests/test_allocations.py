@@ -16,7 +16,7 @@ import torch
 
 import workers
 from dist import run_ranks
-from ds_lowcomm.buckets import BUCKET_BYTES
+from ds_lowcomm.shard.buckets import BUCKET_BYTES
 
 MODES = workers.STEP_MODES
 #: step buffers of a shard's size that a mode's formula counts (README, "Memory per GPU"), as
@@ -24,13 +24,13 @@ MODES = workers.STEP_MODES
 #: shard in the model's dtype (p/W); DeMo's round builds the new δ beside the old one (4/S) and
 #: its codec holds the tiled shard, the decoded sums and their counts, the dense decode (fp32)
 STEP_BUFFERS = {
-    "acco": {("sharded_step.py:run", "aten._to_copy.default", "torch.bfloat16")},
+    "acco": {("shard/step.py:run", "aten._to_copy.default", "torch.bfloat16")},
     "demo-overlap": {("modes/demo.py:run", "aten.mul.Tensor", "torch.float32"),
-                     ("dct.py:to_tiles", "aten.cat.default", "torch.float32"),
-                     ("dct.py:from_tiles", "aten.new_empty.default", "torch.float32"),
-                     ("dct.py:dense", "aten.zeros.default", "torch.float32"),
-                     ("dct.py:decode_mean", "aten.zeros.default", "torch.float32"),
-                     ("dct.py:decode_mean", "aten.zeros_like.default", "torch.float32")},
+                     ("modes/dct.py:to_tiles", "aten.cat.default", "torch.float32"),
+                     ("modes/dct.py:from_tiles", "aten.new_empty.default", "torch.float32"),
+                     ("modes/dct.py:dense", "aten.zeros.default", "torch.float32"),
+                     ("modes/dct.py:decode_mean", "aten.zeros.default", "torch.float32"),
+                     ("modes/dct.py:decode_mean", "aten.zeros_like.default", "torch.float32")},
 }
 #: elements: the largest bounded step buffer, a parameter bucket's W copies (zero1's overlap
 #: gathers BUCKET_BYTES of fp32 at a time); a shard here holds twice that
@@ -40,7 +40,7 @@ LIMIT = BUCKET_BYTES // 4
 def _audit(rank, world):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import ds_lowcomm.worker as worker
+    import ds_lowcomm.comm.worker as worker
 
     found, limit = [], LIMIT
 

@@ -27,7 +27,7 @@ def test_time_to_target_arithmetic():
     """Synthetic records: linear interpolation between validations, a first validation already
     at the target, a target never reached, training records and the clock (which train.py keeps
     without validation time) taken as they are."""
-    from ds_lowcomm.bench import time_to_target
+    from ds_lowcomm.bench.analysis import time_to_target
 
     recs = [{"step": 1, "train_s": 1.0, "loss": 9.0, "tokens": 100},
             {"step": 2, "train_s": 2.0, "val_loss": 4.0, "tokens": 200},
@@ -46,7 +46,7 @@ def test_time_to_target_arithmetic():
 def test_link_rate_arithmetic():
     """moderate: one DDP sync (2(W-1)/W · 4P bytes per rank, all W ranks on one loopback) in one
     step of compute; slow: in ten; two-node: one rank's share per direction of the veth, in ten."""
-    from ds_lowcomm.bench import link_rate
+    from ds_lowcomm.bench.runs import link_rate
 
     # P = 1e6, W = 2: 4 MB per rank, 8 MB on the loopback; 0.5 s a step -> 128 Mbit/s.
     assert link_rate("moderate", 0.5, 1_000_000, 2) == ("128000kbit", 8e6)
@@ -225,7 +225,7 @@ CHECKPOINT_BYTES_PER_PARAM = {"deepspeed": 16, "zero1": 16, "acco": 28, "demo": 
 def test_checkpoint_bench_tiny(tmp_path):
     # --async-save: every mode's background save is published complete (the files and weights below)
     labels = list(CHECKPOINT_BYTES_PER_PARAM)
-    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench_checkpoint", "--model", "tiny", "--async-save",
+    proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench.checkpoint", "--model", "tiny", "--async-save",
                            "--configs", ",".join(labels), "--bandwidth", "none", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -245,7 +245,8 @@ def test_bench_uneven_trainer_tiny(tmp_path):
     slower: zero1 paced by the fastest rank, zero1-slowest and the Trainer's DDP run (acco and stock
     DeepSpeed differ from zero1 only by their configs, written here without a run), the results
     schema, and the default target from zero1-slowest."""
-    from ds_lowcomm import bench
+    from ds_lowcomm.bench.cli import parse_args
+    from ds_lowcomm.bench.runs import write_config
 
     modes = ["zero1", "zero1-slowest", "ddp"]
     proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--regime", "uneven-trainer", "--model", "tiny",
@@ -276,9 +277,9 @@ def test_bench_uneven_trainer_tiny(tmp_path):
     cfg = lambda mode: json.loads((tmp_path / "configs" / f"{mode}.2.json").read_text())
     assert cfg("zero1-slowest")["lowcomm"] == {"mode": "zero1", "pace": "slowest"}
     assert "pace" not in cfg("zero1")["lowcomm"]
-    args = bench.parse_args(["--regime", "uneven-trainer", "--out", str(tmp_path / "unrun")])
+    args = parse_args(["--regime", "uneven-trainer", "--out", str(tmp_path / "unrun")])
     for mode in ("acco", "deepspeed"):
-        bench.write_config(mode, args, tmp_path, 2)
+        write_config(mode, args, tmp_path, 2)
     assert cfg("acco")["lowcomm"]["mode"] == "acco" and "lowcomm" not in cfg("deepspeed")
     assert args.mode_list == ["zero1", "zero1-slowest", "acco", "deepspeed", "ddp"]  # the regime's default
     assert not (tmp_path / "configs" / "ddp.2.json").exists()

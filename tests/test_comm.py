@@ -16,9 +16,10 @@ def _inputs(rank: int) -> torch.Tensor:
 def _collectives(rank, world, chunk_bytes):
     import torch.distributed as dist
 
-    import ds_lowcomm.comm as comm
+    import ds_lowcomm.comm.collectives as comm
+    from ds_lowcomm import memory
 
-    comm.CHUNK_BYTES = chunk_bytes
+    memory.CHUNK_BYTES = chunk_bytes
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         stats = comm.CommStats()
@@ -120,7 +121,7 @@ def _native(rank, world, chunk_bytes):
     """The branch NCCL takes (the backend's own reduce-scatter and all-gather), run on gloo."""
     import torch.distributed as dist
 
-    import ds_lowcomm.comm as comm
+    import ds_lowcomm.comm.collectives as comm
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -198,10 +199,11 @@ ONE_CASES = ((torch.float32, torch.float32, torch.float32), (torch.float32, torc
 def _group_of_one(rank, world):
     import torch.distributed as dist
 
-    import ds_lowcomm.comm as comm
-    from ds_lowcomm.topology import Topology
+    import ds_lowcomm.comm.collectives as comm
+    from ds_lowcomm import memory
+    from ds_lowcomm.comm.topology import Topology
 
-    comm.CHUNK_BYTES = 48  # conversions 12 fp32 elements at a time: chunk ends fall mid-range
+    memory.CHUNK_BYTES = 48  # conversions 12 fp32 elements at a time: chunk ends fall mid-range
     dist.init_process_group("gloo", rank=rank, world_size=world)
     created = []
     new_group = dist.new_group

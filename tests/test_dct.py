@@ -3,7 +3,7 @@ equal to the formula."""
 import pytest
 import torch
 
-from ds_lowcomm.dct import DctTopK
+from ds_lowcomm.modes.dct import DctTopK
 
 
 def test_dct_is_orthonormal_and_inverts():

@@ -6,7 +6,7 @@ import torch
 
 import workers
 from dist import run_ranks
-from ds_lowcomm.dct import DctTopK
+from ds_lowcomm.modes.dct import DctTopK
 
 GAS = 2
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_lowcomm.flat import FlatParams, GradAccumulator
+from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 
 
 def _params():

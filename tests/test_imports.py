@@ -107,3 +107,53 @@ def test_modes_do_no_file_io():
                 key = (f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None,
                        f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None))
                 assert key not in banned, f"{path.name}:{node.lineno} calls {'.'.join(k for k in key if k)}"
+
+
+#: the package's layers, lowest first: a module imports from its own layer or lower ones only.
+#: ``ds_lowcomm`` is the package's ``__init__`` (the public names); ``bench`` is a tool on top.
+LAYERS = [("memory", "config"), ("comm",), ("shard",), ("checkpoint",), ("modes",), ("optimizer",),
+          ("integration",), ("ds_lowcomm",), ("bench",)]
+#: third-party frameworks the core never imports: DeepSpeed and Hugging Face live in integration/
+FRAMEWORKS = ("deepspeed", "transformers", "accelerate", "trl", "datasets")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "ds_lowcomm"
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def _upward(graph):
+    return [(a, b) for a, deps in graph.items() for b in deps if _layer(b) > _layer(a)]
+
+
+def test_no_module_imports_a_higher_layer():
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if "." in m} <= {n for names in LAYERS for n in names}
+    assert _upward(graph) == []
+    # the check itself: the comm layer importing the modes is caught
+    graph["ds_lowcomm.comm.worker"] = graph["ds_lowcomm.comm.worker"] | {"ds_lowcomm.modes"}
+    assert _upward(graph) == [("ds_lowcomm.comm.worker", "ds_lowcomm.modes")]
+
+
+def _framework_imports(path: Path):
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found += [n for n in names if n.split(".")[0] in FRAMEWORKS]
+    return found
+
+
+def test_frameworks_are_imported_in_integration_only():
+    """DeepSpeed, transformers and accelerate are imported (functions included) only by
+    integration/ and the bench: the collectives, shards, modes and checkpoints run without them."""
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).parts
+        if rel[0] in ("integration", "bench"):
+            continue
+        if found := _framework_imports(path):
+            offenders[str(path.relative_to(PACKAGE))] = found
+    assert offenders == {}
+    assert _framework_imports(PACKAGE / "integration" / "engine.py")  # the check sees them

@@ -21,7 +21,7 @@ GAS = 4
 
 
 def test_pace_quota():
-    from ds_lowcomm.pace import pace_quota
+    from ds_lowcomm.shard.pace import pace_quota
 
     assert pace_quota(4, 0.0, 0.0, 1.0) == 4  # this rank's pace not measured yet
     assert pace_quota(4, 1.2, 0.4, 1.0) == 4  # under 1.5x slower: everything computed
@@ -35,7 +35,7 @@ def test_pace_quota():
 def test_token_weight_counts_what_transformers_counts():
     import transformers
 
-    from ds_lowcomm.pace import token_weight
+    from ds_lowcomm.shard.pace import token_weight
 
     labels = torch.tensor([[5, 6, -100, 7], [-100, 1, 2, -100]])
     trainer = object.__new__(transformers.Trainer)  # only its counting method, on plain state
@@ -73,7 +73,7 @@ class _Event:
 
 
 def test_cuda_clock_reads_events_only_once_completed(monkeypatch):
-    from ds_lowcomm.pace import Pacer
+    from ds_lowcomm.shard.pace import Pacer
 
     _Event.log, _Event.done = [], False
     monkeypatch.setattr(torch.cuda, "Event", _Event)
@@ -93,7 +93,7 @@ def _forced(rank, world, cfg, tokens, keep):
     """One step of a Trainer-like loop (the boundary set before every backward); rank 1's pacer
     plans ``keep`` of each block's micro-batches, whatever the paces. Returns AdamW's first moment
     after it, (1 - beta1) times the reduced gradient, by parameter name, and the computed shares."""
-    from ds_lowcomm.flat import gather_full
+    from ds_lowcomm.shard.flat import gather_full
 
     engine = workers.build_engine(cfg)
     pacer = engine.optimizer.pacer

@@ -3,8 +3,8 @@ gradient as it is or a 2-byte one (the reduced sums kept in place) converted chu
 import pytest
 import torch
 
-from ds_lowcomm.flat import ShardLayout
-from ds_lowcomm.shard_adamw import ShardAdamW
+from ds_lowcomm.shard.flat import ShardLayout
+from ds_lowcomm.shard.adamw import ShardAdamW
 
 GROUPS = [dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
           dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]

@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-from ds_lowcomm.comm import CommStats
-from ds_lowcomm.round import Round
-from ds_lowcomm.worker import CommWorker
+from ds_lowcomm.comm.collectives import CommStats
+from ds_lowcomm.comm.round import Round
+from ds_lowcomm.comm.worker import CommWorker
 
 LOG = []
 _local = threading.local()

@@ -11,7 +11,7 @@ STEPS = 20
 def _stock_then_zero1(rank, world, bf16):
     from deepspeed.comm.comm import comms_logger
 
-    from ds_lowcomm.comm import deepspeed_logged_bytes
+    from ds_lowcomm.comm.collectives import deepspeed_logged_bytes
 
     stock_cfg = workers.config(None, bf16=bf16)
     stock_cfg["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}

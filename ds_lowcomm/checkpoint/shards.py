@@ -11,7 +11,7 @@ import torch
 
 from ds_lowcomm.checkpoint.files import (FORMAT, LEGACY_FORMAT, CheckpointError, rank_file_name, safe_load,
                                          verify_files)
-from ds_lowcomm.flat import ShardLayout
+from ds_lowcomm.shard.flat import ShardLayout
 
 
 def check_same_model(saved: dict, names: list, shapes: list) -> None:

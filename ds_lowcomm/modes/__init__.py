@@ -11,7 +11,7 @@ import dataclasses
 from typing import Dict, Type
 
 from ds_lowcomm.modes.acco import Acco
-from ds_lowcomm.context import ModeContext
+from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode
 from ds_lowcomm.modes.demo import Demo
 from ds_lowcomm.modes.desloc import Desloc

@@ -23,7 +23,7 @@ after each; off, and refused when set, where the loop marks its own accumulation
 :meth:`Acco.bind_loop`): a rank whose round is still in flight at a switch keeps computing
 micro-batches instead of waiting; the counts are all-reduced in the round and the sum is divided
 by the global count, so every micro-batch weighs the same whoever computed it. Without it the
-:class:`~ds_lowcomm.pace.Pacer` lets the fastest rank set the pace: a slower rank runs the rest of
+:class:`~ds_lowcomm.shard.pace.Pacer` lets the fastest rank set the pace: a slower rank runs the rest of
 each round's micro-batches forward only, and the round weights the sum by what was computed.
 
 ``balance`` (default, with ``accumulate_while_waiting``): on uneven hardware the slowest rank would
@@ -65,13 +65,13 @@ import torch
 
 from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, rank_layout
 from ds_lowcomm.config import LowCommConfigError, option
-from ds_lowcomm.flat import gather_full
-from ds_lowcomm.inflight import InFlight
-from ds_lowcomm.context import ModeContext
+from ds_lowcomm.shard.flat import gather_full
+from ds_lowcomm.comm.inflight import InFlight
+from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_one_shard_group
-from ds_lowcomm.pace import device_clock
-from ds_lowcomm.shard_adamw import ShardAdamW
-from ds_lowcomm.sharded_step import ShardedStepRound
+from ds_lowcomm.shard.pace import device_clock
+from ds_lowcomm.shard.adamw import ShardAdamW
+from ds_lowcomm.shard.step import ShardedStepRound
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class Acco(Mode):
         boundaries counts one step per GAS micro-batches it hands out, so a rank that computed the
         next step's micro-batches into this one would leave that loop's step N with fewer than N
         updates (and its LR schedule off them); there, refused when set. Without it, the
-        :class:`~ds_lowcomm.pace.Pacer` lets the fastest rank set the pace; with it, ``balance``."""
+        :class:`~ds_lowcomm.shard.pace.Pacer` lets the fastest rank set the pace; with it, ``balance``."""
         o = self.options
         aww = o.accumulate_while_waiting
         if aww is None:

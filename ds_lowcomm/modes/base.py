@@ -8,7 +8,7 @@ import torch
 
 from ds_lowcomm.checkpoint import CheckpointError
 from ds_lowcomm.config import LowCommConfigError
-from ds_lowcomm.context import ModeContext
+from ds_lowcomm.shard.context import ModeContext
 
 
 class Mode(abc.ABC):
@@ -28,7 +28,7 @@ class Mode(abc.ABC):
     #: the checkpoint was saved with; the sharded state alone reshards)
     has_rank_state: ClassVar[bool] = False
     #: ``lowcomm.pace: "fastest"`` works here: the mode's rounds carry the
-    #: :class:`~ds_lowcomm.pace.Pacer`'s weights and paces over the whole world
+    #: :class:`~ds_lowcomm.shard.pace.Pacer`'s weights and paces over the whole world
     paces: ClassVar[bool] = False
 
     def __init__(self, ctx: ModeContext, options) -> None:
@@ -47,7 +47,7 @@ class Mode(abc.ABC):
 
     @classmethod
     def pace_block(cls, options, gradient_accumulation_steps: int) -> int:
-        """Micro-batches per block the :class:`~ds_lowcomm.pace.Pacer` plans (one round's sums)."""
+        """Micro-batches per block the :class:`~ds_lowcomm.shard.pace.Pacer` plans (one round's sums)."""
         return gradient_accumulation_steps
 
     def bind_loop(self, marks_boundaries: bool) -> None:

@@ -33,11 +33,11 @@ import torch
 
 from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, rank_layout
 from ds_lowcomm.config import option
-from ds_lowcomm.flat import gather_full
-from ds_lowcomm.context import ModeContext
+from ds_lowcomm.shard.flat import gather_full
+from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_shard_group_size
-from ds_lowcomm.shard_adamw import ShardAdamW
-from ds_lowcomm.sharded_step import ShardedStepRound
+from ds_lowcomm.shard.adamw import ShardAdamW
+from ds_lowcomm.shard.step import ShardedStepRound
 
 NEVER = 0  # the internal value of "never"
 

@@ -11,9 +11,9 @@ P is the padded parameter count. DeepSpeed's own stage-1 optimizer (0.19.8) all-
 gradient instead (``stage_1_and_2.py`` ``average_tensor``), twice the gradient bytes.
 
 With ``overlap`` the reduce-scatter runs bucket by bucket on the comm thread during the step's
-last backward pass (:class:`~ds_lowcomm.buckets.GradBuckets`, Megatron's ``overlap_grad_reduce``),
+last backward pass (:class:`~ds_lowcomm.shard.buckets.GradBuckets`, Megatron's ``overlap_grad_reduce``),
 and the all-gather bucket by bucket during the next forward pass, each module waiting for its own
-parameters (:class:`~ds_lowcomm.buckets.ParamBuckets`, Megatron's ``overlap_param_gather``): the
+parameters (:class:`~ds_lowcomm.shard.buckets.ParamBuckets`, Megatron's ``overlap_param_gather``): the
 same collectives' bytes, and on gloo the same sums, so the same training bit for bit. The step
 returns before the model's parameters are complete: code that reads them outside a module's
 forward calls ``engine.optimizer.settle()`` first (checkpoints and ``flush`` do).
@@ -23,13 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from ds_lowcomm.buckets import GradBuckets, ParamBuckets
+from ds_lowcomm.shard.buckets import GradBuckets, ParamBuckets
 from ds_lowcomm.config import option
-from ds_lowcomm.flat import gather_full
-from ds_lowcomm.context import ModeContext
+from ds_lowcomm.shard.flat import gather_full
+from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode, require_one_shard_group
-from ds_lowcomm.shard_adamw import ShardAdamW
-from ds_lowcomm.sharded_step import ShardedStepRound
+from ds_lowcomm.shard.adamw import ShardAdamW
+from ds_lowcomm.shard.step import ShardedStepRound
 
 @dataclass(frozen=True)
 class Zero1Options:

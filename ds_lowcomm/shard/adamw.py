@@ -1,6 +1,6 @@
 """AdamW on one rank's fp32 shard of the flat parameters (the ZeRO-1 optimizer state).
 
-The shard holds pieces of one or more param groups (:class:`ds_lowcomm.flat.Segment`); each piece
+The shard holds pieces of one or more param groups (:class:`ds_lowcomm.shard.flat.Segment`); each piece
 is stepped with its group's current hyperparameters, read at step time so learning-rate schedulers
 that edit ``param_groups`` (DeepSpeed's, Hugging Face's) drive it. The update is torch's own AdamW
 kernel (fused where the device has one) so results match ``torch.optim.AdamW`` on the same data.
@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence
 import torch
 from torch.optim.adam import adam as _adam_kernel
 
-from ds_lowcomm.comm import CHUNK_BYTES, temporary
-from ds_lowcomm.flat import Segment, ShardLayout
+from ds_lowcomm.memory import CHUNK_BYTES, temporary
+from ds_lowcomm.shard.flat import Segment, ShardLayout
 
 
 class ShardAdamW:

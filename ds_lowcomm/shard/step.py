@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
-from ds_lowcomm.comm import CHUNK_BYTES, temporary
-from ds_lowcomm.context import ModeContext
-from ds_lowcomm.round import StepRound
-from ds_lowcomm.shard_adamw import ShardAdamW
+from ds_lowcomm.memory import CHUNK_BYTES, temporary
+from ds_lowcomm.shard.context import ModeContext
+from ds_lowcomm.comm.round import StepRound
+from ds_lowcomm.shard.adamw import ShardAdamW
 
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 
@@ -116,7 +116,7 @@ class ShardedStepRound(StepRound):
             every micro-batch weighs the same whoever computed it.
         weights: with ``local_count``, this rank's ``[computed, offered]`` weight
             (:attr:`GradAccumulator.weights`, read at :meth:`pack`): some micro-batches the loop
-            handed a rank ran forward only (:mod:`ds_lowcomm.pace`). The sums C and O over the
+            handed a rank ran forward only (:mod:`ds_lowcomm.shard.pace`). The sums C and O over the
             ranks ride on the count all-reduce and ``scale = GAS · O / (block · W · C)``: the
             computed micro-batches stand for all the loop handed out, and with everything computed
             the scale is exactly zero1's ``1/W`` (``block`` = GAS) or an acco estimate's ``2/W``.
@@ -124,7 +124,7 @@ class ShardedStepRound(StepRound):
             nothing is dropped (GAS for a step; GAS/2 for an acco estimate round).
         local_paces: with ``local_count``, numbers about this rank's pace (seconds per
             micro-batch, 0 when unknown) shared in the same all-reduce: every rank learns every
-            rank's (``rank_paces``; acco's ``balance`` and the :class:`~ds_lowcomm.pace.Pacer`
+            rank's (``rank_paces``; acco's ``balance`` and the :class:`~ds_lowcomm.shard.pace.Pacer`
             let the fastest rank set the pace with them).
         estimate: write the step's result into ``target`` without updating the optimizer state
             (:meth:`ShardAdamW.estimate`).
@@ -132,7 +132,7 @@ class ShardedStepRound(StepRound):
         delta: a padded flat buffer that gets the new parameters' *change* from the parameters
             the model holds (``ctx.flat.buffer``, which nothing writes while the round is in
             flight), all-gathered in ``delta``'s dtype, instead of ``target`` getting the
-            parameters; :class:`~ds_lowcomm.inflight.InFlight` adds it to them (acco's bf16
+            parameters; :class:`~ds_lowcomm.comm.inflight.InFlight` adds it to them (acco's bf16
             ``estimate_dtype`` and ``real_gather_dtype``: half the all-gather's bytes, rounding
             only the small change, never the parameters; the model then differs from the
             result by that rounding, which the next round's change, taken from the model,
@@ -142,14 +142,14 @@ class ShardedStepRound(StepRound):
             the average).
         reduced: this rank's shard of the reduced ``grads``, already reduce-scattered
             (loss-scaled, unscaled by ``scale``): the round starts at the norm (``zero1`` with
-            overlap, :class:`~ds_lowcomm.buckets.GradBuckets`). fp32 (modified in place), or, for
+            overlap, :class:`~ds_lowcomm.shard.buckets.GradBuckets`). fp32 (modified in place), or, for
             2-byte ``grads``, this rank's own part of them, reduced in place.
         own_finite: with a ``reduced`` that is this rank's own part of ``grads`` reduced in
             place: whether that part was finite before, a device bool read only for the log of a
             skip (which ranks' sums were not).
         gather: all-gather the new parameters into ``target`` at the end of :meth:`run`; when
             False, this rank's shard of them is left in :attr:`out` for the caller to gather
-            (``zero1`` with overlap, :class:`~ds_lowcomm.buckets.ParamBuckets`).
+            (``zero1`` with overlap, :class:`~ds_lowcomm.shard.buckets.ParamBuckets`).
 
     A non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
     master (``delta`` the change back to it), and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).

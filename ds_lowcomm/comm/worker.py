@@ -35,8 +35,8 @@ from typing import Optional
 
 import torch
 
-from ds_lowcomm.comm import CommStats
-from ds_lowcomm.round import Round
+from ds_lowcomm.comm.collectives import CommStats
+from ds_lowcomm.comm.round import Round
 
 
 class Ticket(Future):

@@ -8,7 +8,7 @@ replica groups (ranks with the same index in every shard group: the slow links b
 ZeRO-1 sharding happens inside a shard group; modes that exchange compressed or infrequent
 updates (DeMo, DES-LOC) talk across replica groups. All groups are private (``dist.new_group``)
 so our collectives never interleave with the training script's or DeepSpeed's own; a shard group
-of one rank is no group at all (:class:`~ds_lowcomm.comm.GroupOfOne`).
+of one rank is no group at all (:class:`~ds_lowcomm.comm.collectives.GroupOfOne`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ds_lowcomm.comm import Collectives, CommStats, GroupOfOne
+from ds_lowcomm.comm.collectives import Collectives, CommStats, GroupOfOne
 from ds_lowcomm.config import LowCommConfigError
 
 

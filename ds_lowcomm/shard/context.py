@@ -7,11 +7,11 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ds_lowcomm.comm import Collectives
-from ds_lowcomm.flat import FlatParams, GradAccumulator
-from ds_lowcomm.pace import Pacer
-from ds_lowcomm.topology import Topology
-from ds_lowcomm.worker import CommWorker
+from ds_lowcomm.comm.collectives import Collectives
+from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
+from ds_lowcomm.shard.pace import Pacer
+from ds_lowcomm.comm.topology import Topology
+from ds_lowcomm.comm.worker import CommWorker
 
 
 @dataclass

@@ -22,36 +22,16 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ds_lowcomm import memory
+from ds_lowcomm.memory import temporary
+
 # torch 2.13 deprecates the *_tensor spellings in favour of the *_single ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-#: bytes of each chunk of the chunked gloo collectives, the norm and the step of 2-byte gradients:
-#: what their transients hold at once
-CHUNK_BYTES = 8 << 20
 #: bytes of each chunk of a native (NCCL) reduce-scatter or all-gather that converts dtypes: a
 #: converted copy of the whole buffer would cost 2-4 bytes per parameter of GPU memory, many
 #: small chunks would cost kernel launches
 NATIVE_CHUNK_BYTES = 64 << 20
-#: glibc's largest dynamic mmap threshold (64-bit): a block at least this large is always
-#: mmap-served and unmapped when freed, whatever the threshold has become
-MMAP_THRESHOLD_MAX = 32 << 20
-
-
-def temporary(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised 1-D scratch tensor of ``numel`` elements for a step's transient work.
-
-    On CPU it is cut from an allocation of at least ``MMAP_THRESHOLD_MAX``: glibc raises its
-    dynamic mmap threshold to the size of any mmap-served block freed below that, after which
-    every allocation under that size (the next forward's activations) comes from the heap and
-    stays resident when freed (RSS grew by tens of MB a step on the checkpoint bench's model).
-    A larger block never moves the threshold, and the pages a short temporary leaves untouched
-    are never resident. Elsewhere (CUDA's caching allocator) a plain ``torch.empty``.
-    """
-    if torch.device(device).type != "cpu":
-        return torch.empty(numel, dtype=dtype, device=device)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return torch.empty(max(numel, -(-MMAP_THRESHOLD_MAX // elem)), dtype=dtype, device=device)[:numel]
-
 
 def wire_bytes(op: str, nbytes: int, world: int) -> Tuple[float, float]:
     """(sent, received) bytes per rank for collective ``op`` over ``nbytes`` on ``world`` ranks.
@@ -200,10 +180,10 @@ class Collectives:
 
     def _reduce_scatter_by_chunks(self, out: torch.Tensor, inp: torch.Tensor,
                                   wire_dtype: torch.dtype, group) -> None:
-        """One all-to-all per chunk of the shard: transients of CHUNK_BYTES instead of a converted
+        """One all-to-all per chunk of the shard: transients of ``CHUNK_BYTES`` instead of a converted
         copy of ``inp``, its exchanged copy and a shard-sized sum; the same bytes."""
         rows = inp.view(self.world, -1)
-        step = max(1, CHUNK_BYTES // (self.world * torch.empty((), dtype=wire_dtype).element_size()))
+        step = max(1, memory.CHUNK_BYTES // (self.world * torch.empty((), dtype=wire_dtype).element_size()))
         send_buf = temporary(self.world * min(step, rows.shape[1]), wire_dtype, inp.device)
         recv_buf = temporary(send_buf.numel(), wire_dtype, inp.device)
         for a in range(0, rows.shape[1], step):
@@ -269,7 +249,7 @@ class Collectives:
         (W-1)/W · out bytes."""
         nbytes = out.numel() * out.element_size()
         if self.reduce_scatter_by_all_to_all:
-            self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp, CHUNK_BYTES)
+            self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp, memory.CHUNK_BYTES)
         elif inp.dtype == out.dtype:
             self._run("all_gather", nbytes, _all_gather, out, inp)
         else:  # no converted copy of the shard (2/W bytes per parameter for an fp32 master)
@@ -329,7 +309,7 @@ class GroupOfOne(Collectives):
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
         else:
-            step = max(1, CHUNK_BYTES // torch.empty((), dtype=via).element_size())
+            step = max(1, memory.CHUNK_BYTES // torch.empty((), dtype=via).element_size())
             buf = temporary(min(step, inp.numel()), via, inp.device)
             for a in range(0, inp.numel(), step):
                 part = inp[a:a + step]

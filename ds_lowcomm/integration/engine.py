@@ -1,6 +1,6 @@
 """LowCommEngine: DeepSpeed's engine with ds_lowcomm's optimizer owning data-parallel communication.
 
-DeepSpeed is built at ZeRO stage 0 (the user's JSON says 1; :mod:`ds_lowcomm.initialize` rewrites
+DeepSpeed is built at ZeRO stage 0 (the user's JSON says 1; :mod:`ds_lowcomm.integration.initialize` rewrites
 a copy) so it creates no ZeRO optimizer, and the engine's all-reduce is switched off. The overrides
 below are the engine hooks that have been stable since DeepSpeed 0.10:
 ``_configure_optimizer``, ``clip_fp32_gradients``, ``enable_backward_allreduce``, ``backward``,
@@ -19,7 +19,7 @@ from ds_lowcomm.config import (GRAD_ACCUM_DTYPES, SECTION, LowCommConfig, LowCom
                                check_adamw_hyperparameters)
 from ds_lowcomm.modes import MODES
 from ds_lowcomm.optimizer import LowCommOptimizer
-from ds_lowcomm.pace import token_weight
+from ds_lowcomm.shard.pace import token_weight
 
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
 MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "exposed_comm_s_per_step",
@@ -185,7 +185,7 @@ class LowCommEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         """DeepSpeed's ``forward``. A training micro-batch (module in training mode, gradients
         enabled) that this rank, slower than the fastest, leaves to the others runs under
-        ``torch.no_grad`` (``lowcomm.pace``, :mod:`ds_lowcomm.pace`): the loop still gets the
+        ``torch.no_grad`` (``lowcomm.pace``, :mod:`ds_lowcomm.shard.pace`): the loop still gets the
         model's real outputs, and its backward is skipped."""
         opt = getattr(self, "optimizer", None)
         if not (isinstance(opt, LowCommOptimizer) and opt.pacer is not None and opt.pacer.active

@@ -202,7 +202,7 @@ class GradAccumulator:
 
 def gather_full(comm, layout: ShardLayout, shard: torch.Tensor) -> torch.Tensor:
     """Every rank's ``shard`` concatenated and unpadded (collective over ``comm``'s group, a
-    :class:`~ds_lowcomm.comm.Collectives`): (W-1)/W · P · element bytes received."""
+    :class:`~ds_lowcomm.comm.collectives.Collectives`): (W-1)/W · P · element bytes received."""
     full = shard.new_empty(layout.padded)
     comm.all_gather(full, shard.contiguous())
     return full[: layout.numel].clone()

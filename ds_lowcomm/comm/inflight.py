@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ds_lowcomm.round import StepRound
-from ds_lowcomm.worker import CommWorker, Ticket
+from ds_lowcomm.comm.round import StepRound
+from ds_lowcomm.comm.worker import CommWorker, Ticket
 
 
 #: elements re-based at a time (a few MB of fp32 temporaries, never a model-sized one)

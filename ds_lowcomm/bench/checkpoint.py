@@ -1,8 +1,8 @@
 """What a checkpoint costs, each ds_lowcomm mode beside stock DeepSpeed ZeRO-1, on a slow link.
 
-    python -m ds_lowcomm.bench_checkpoint                       # GPT-2 of 29M params, 100 Mbit/s link
-    python -m ds_lowcomm.bench_checkpoint --model tiny          # smoke run, a minute or two
-    python -m ds_lowcomm.bench_checkpoint --bf16 --configs deepspeed,zero1 --out ckpt_bench
+    python -m ds_lowcomm.bench.checkpoint                       # GPT-2 of 29M params, 100 Mbit/s link
+    python -m ds_lowcomm.bench.checkpoint --model tiny          # smoke run, a minute or two
+    python -m ds_lowcomm.bench.checkpoint --bf16 --configs deepspeed,zero1 --out ckpt_bench
 
 Run it from the root of a source checkout (it reads ``ds_configs/``). For each config (stock
 ``deepspeed_zero1.json`` and the ds_lowcomm ``zero1``, ``acco``, ``demo``, ``desloc`` JSONs, their
@@ -26,7 +26,7 @@ initial weights) and calls ``engine.load_checkpoint(dir)``. Per config it report
 - the checkpoint's size on disk and the files written.
 
 ``--bandwidth 100mbit`` (the default) runs the ranks in a private network namespace whose
-loopback is limited by a token bucket (``ds_lowcomm.bench.Link``; needs root and iproute2, else
+loopback is limited by a token bucket (``ds_lowcomm.bench.link.Link``; needs root and iproute2, else
 the run is unlimited on the host loopback and link bytes are not reported). ``--bandwidth none``
 turns it off. Results go to ``results.json`` and ``results.md`` in ``--out`` (default: a fresh
 directory under the system temp dir); checkpoints are deleted after measuring unless
@@ -49,10 +49,10 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ds_lowcomm.bench import Link, free_port
+from ds_lowcomm.bench.link import Link, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-PROG = "python -m ds_lowcomm.bench_checkpoint"
+ROOT = Path(__file__).resolve().parents[2]
+PROG = "python -m ds_lowcomm.bench.checkpoint"
 CONFIGS = {"deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "acco": "acco_zero1.json",
            "demo": "demo_zero1.json", "desloc": "desloc_zero1.json"}
 STOCK = "deepspeed"
@@ -262,7 +262,7 @@ def run_config(args, label: str, link: Link, out: Path, rep: int) -> dict:
     ckpt = out / "checkpoints" / f"{label}.{rep}"
     shutil.rmtree(ckpt, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
-           "--master_port", str(free_port()), "-m", "ds_lowcomm.bench_checkpoint", "--worker",
+           "--master_port", str(free_port()), "-m", "ds_lowcomm.bench.checkpoint", "--worker",
            "--config", str(config), "--checkpoint-dir", str(ckpt), "--model", args.model,
            "--steps", str(args.steps), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

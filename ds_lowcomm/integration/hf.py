@@ -3,7 +3,7 @@
 The Trainer reaches ds_lowcomm through ``deepspeed.initialize`` (accelerate 1.15
 ``_prepare_deepspeed`` looks it up at call time), so training needs nothing from this module. What
 the Trainer does not know is our metrics and our in-flight updates: when a
-:class:`~ds_lowcomm.engine.LowCommEngine` is built while ``transformers.trainer`` is loaded,
+:class:`~ds_lowcomm.integration.engine.LowCommEngine` is built while ``transformers.trainer`` is loaded,
 :func:`install_trainer_hooks` wraps two methods the Trainer documents for overriding:
 
 - ``Trainer.log``: every training log entry also carries :func:`trainer_metrics` (in
@@ -40,7 +40,7 @@ def trainer_metrics(engine) -> dict:
 
 
 def _engine(trainer):
-    from ds_lowcomm.engine import LowCommEngine
+    from ds_lowcomm.integration.engine import LowCommEngine
 
     engine = getattr(trainer, "model_wrapped", None)
     return engine if isinstance(engine, LowCommEngine) else None

@@ -4,9 +4,9 @@ pass (:class:`GradBuckets`), the parameter all-gather during the next forward (:
 Megatron's ``overlap_grad_reduce`` for ZeRO-1, on ds_lowcomm's flat layout. The padded flat
 gradient buffer is cut into contiguous buckets, numbered from its end (backward produces the last
 layers' gradients first). During the backward pass that ends an accumulation, each parameter's
-post-accumulate hook (:class:`~ds_lowcomm.flat.GradAccumulator`) marks it final; a bucket whose
+post-accumulate hook (:class:`~ds_lowcomm.shard.flat.GradAccumulator`) marks it final; a bucket whose
 parameters are all final is handed to the comm worker, which reduce-scatters that range
-(:meth:`~ds_lowcomm.comm.Collectives.reduce_scatter_range`) while autograd computes the rest.
+(:meth:`~ds_lowcomm.comm.collectives.Collectives.reduce_scatter_range`) while autograd computes the rest.
 
 Buckets are launched strictly in number order, a bucket only when it and every bucket before it
 are final, as DDP's reducer does: every rank issues the same collectives in the same order
@@ -27,12 +27,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ds_lowcomm.comm import temporary
-from ds_lowcomm.context import ModeContext
-from ds_lowcomm.flat import ALIGN
-from ds_lowcomm.round import Round
-from ds_lowcomm.sharded_step import finite_flag
-from ds_lowcomm.worker import Ticket
+from ds_lowcomm.memory import temporary
+from ds_lowcomm.shard.context import ModeContext
+from ds_lowcomm.shard.flat import ALIGN
+from ds_lowcomm.comm.round import Round
+from ds_lowcomm.shard.step import finite_flag
+from ds_lowcomm.comm.worker import Ticket
 
 #: the largest bucket, in bytes of fp32 gradient (DDP's default bucket_cap_mb)
 BUCKET_BYTES = 25 << 20
@@ -75,8 +75,8 @@ class GradBuckets:
     """Reduce-scatters the gradient sums into :attr:`out` bucket by bucket, from the hooks of the
     backward pass between :meth:`arm` and :meth:`finish`: this rank's fp32 shard, allocated at
     :meth:`arm`, or with 2-byte sums this rank's own part of them, reduced in place as the step's
-    round would (:class:`~ds_lowcomm.sharded_step.ShardedStepRound`). Needs an asynchronous
-    :class:`~ds_lowcomm.worker.CommWorker` (rounds in submission order)."""
+    round would (:class:`~ds_lowcomm.shard.step.ShardedStepRound`). Needs an asynchronous
+    :class:`~ds_lowcomm.comm.worker.CommWorker` (rounds in submission order)."""
 
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
@@ -178,7 +178,7 @@ class ParamBuckets:
     Contract: between :meth:`start` and :meth:`wait_all` the model's parameters are being
     written; a module's parameters are complete when its forward begins. Code that reads
     parameters another way first calls :meth:`wait_all` (the mode's ``settle``/``flush`` do).
-    Needs an asynchronous :class:`~ds_lowcomm.worker.CommWorker` (rounds in submission order).
+    Needs an asynchronous :class:`~ds_lowcomm.comm.worker.CommWorker` (rounds in submission order).
     """
 
     def __init__(self, ctx: ModeContext) -> None:

@@ -67,7 +67,7 @@ def initialize(*args, **kwargs):
     if not torch.distributed.is_initialized():
         from deepspeed.accelerator import get_accelerator
 
-        from ds_lowcomm.cpu import skip_shm_comm_build
+        from ds_lowcomm.integration.cpu import skip_shm_comm_build
 
         skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -84,8 +84,8 @@ def initialize(*args, **kwargs):
         a["args"] = copy.copy(a["args"])
         a["args"].deepspeed_config = None
 
-    from ds_lowcomm.engine import LowCommEngine
-    from ds_lowcomm.hf import install_trainer_hooks
+    from ds_lowcomm.integration.engine import LowCommEngine
+    from ds_lowcomm.integration.hf import install_trainer_hooks
 
     install_trainer_hooks()  # a no-op unless the Hugging Face Trainer is loaded
     saved, deepspeed.DeepSpeedEngine = deepspeed.DeepSpeedEngine, LowCommEngine

@@ -1,0 +1,168 @@
+"""The bench's command line and its plan: calibrate the link, run every mode at every budget,
+write ``results.json`` after each run, then the report. ``python -m ds_lowcomm.bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+from ds_lowcomm.bench.analysis import reload_runs, summarize
+from ds_lowcomm.bench.link import Link, TwoNodeLink
+from ds_lowcomm.bench.report import report
+from ds_lowcomm.bench.runs import (CONFIGS, FINETUNE, LOWCOMM_OPTIONS, MODELS, REGIMES, SYNC_STEPS, TRAIN, 
+                                   TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
+                                   config_name, run_one)
+
+
+def _setting(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. demo.topk=8")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _budgets(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected step counts, e.g. 100,200,400") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive step counts, e.g. 100,200,400")
+    return sorted(set(values))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated, from: {', '.join(CONFIGS)} (default ideal,ddp,deepspeed,zero1,acco); "
+                         f"--regime uneven-trainer: from {', '.join(TRAINER_CONFIGS)} (default all)")
+    ap.add_argument("--regime", choices=REGIMES, default=None,
+                    help="a preset link: fast, moderate, slow, uneven, two-node or uneven-trainer (see above)")
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 for two-node)")
+    ap.add_argument("--bandwidth", default=None, help="e.g. 100mbit (tc rate syntax); default unlimited, "
+                                                      "or the regime's calibrated rate")
+    ap.add_argument("--latency", default=None, help="e.g. 5ms added one-way delay")
+    ap.add_argument("--model", choices=list(MODELS), default="small")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="the step budget (unless --budgets; default 60, --regime uneven-trainer "
+                         f"{','.join(map(str, TRAINER_BUDGETS))})")
+    ap.add_argument("--budgets", type=_budgets, default=None, metavar="N,N,...",
+                    help="run every mode at each of these step budgets (schedule included); each "
+                         "mode is reported at the one that reached the target soonest")
+    ap.add_argument("--target", type=float, default=None,
+                    help="target val loss (default: the synchronous baseline's final val loss)")
+    ap.add_argument("--target-budget", type=int, default=None, metavar="N",
+                    help="the default target is the baseline's final val loss at this budget (one of "
+                         "--budgets) instead of its longest: every mode, the baseline included, still "
+                         "runs at every budget, so the longer ones give slower methods room to reach it")
+    ap.add_argument("--retarget", default=None, metavar="DIR",
+                    help="run nothing: recompute a finished bench's time to target (--target or "
+                         "--target-budget) from DIR's logs and rewrite its tables and plots")
+    ap.add_argument("--evals", type=int, default=10, help="validations per run, at fixed steps")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--gas", type=int, default=4, help="gradient_accumulation_steps (even, for acco)")
+    ap.add_argument("--comm-dtype", choices=["fp32", "bf16"], default=None)
+    ap.add_argument("--data", default=None, help="text file (default: the built-in corpus)")
+    ap.add_argument("--tokenizer", choices=["byte", "char"], default="byte")
+    ap.add_argument("--eval-iters", type=int, default=10)
+    ap.add_argument("--slow-rank", default=None, metavar="RANK:FACTOR[,...]",
+                    help="uneven hardware: these ranks take FACTOR times as long per micro-batch")
+    ap.add_argument("--acco-wait", action="store_true",
+                    help="acco/dpu wait for the round in flight at each switch instead of computing more "
+                         "micro-batches: exactly the tokens per step of zero1, for loss comparisons")
+    ap.add_argument("--powersgd-rank", type=int, default=4, help="ddp-powersgd: matrix approximation rank")
+    ap.add_argument("--powersgd-warmup", type=int, default=None,
+                    help="ddp-powersgd: steps of plain all-reduce first (default: 10%% of the budget, "
+                         "at least the LR warm-up, as PyTorch's docs advise)")
+    ap.add_argument("--calibration-steps", type=int, default=6,
+                    help="steps of the compute-only calibration run of moderate/slow/two-node")
+    ap.add_argument("--set", action="append", default=[], type=_setting, metavar="KEY=VALUE",
+                    help="override a \"lowcomm\" option, e.g. demo.topk=8 (JSON value; repeatable)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the table shows medians")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    trainer = args.regime == "uneven-trainer"
+    known = TRAINER_CONFIGS if trainer else CONFIGS
+    if args.modes is None:
+        args.modes = ",".join(TRAINER_CONFIGS) if trainer else "ideal,ddp,deepspeed,zero1,acco"
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in known]
+    if bad:
+        ap.error(f"--modes: unknown {', '.join(bad)}{' under --regime uneven-trainer' if trainer else ''}; "
+                 f"choose from {', '.join(known)}")
+    args.budgets = args.budgets or ([args.steps] if args.steps else list(TRAINER_BUDGETS) if trainer else [60])
+    if args.target_budget is not None and args.target is not None:
+        ap.error("--target-budget picks the default target: give it or --target, not both")
+    if args.target_budget is not None and not args.retarget and args.target_budget not in args.budgets:
+        ap.error(f"--target-budget {args.target_budget} must be one of --budgets {args.budgets}")
+    if args.evals < 1:
+        ap.error(f"--evals: got {args.evals}; must be >= 1")
+    if args.regime in ("uneven", "uneven-trainer") and args.slow_rank is None:
+        args.slow_rank = "1:3"
+    if args.world_size is None:
+        args.world_size = 4 if args.regime == "two-node" else 2
+    if args.regime == "two-node" and (args.world_size < 4 or args.world_size % 2):
+        ap.error(f"--regime two-node: --world-size {args.world_size} must be even and >= 4 (2 nodes)")
+    if args.regime in ("fast", "uneven", "uneven-trainer") and (args.bandwidth or args.latency):
+        ap.error(f"--regime {args.regime} has no link limit; drop --bandwidth/--latency or pick another regime")
+    if trainer and args.tokenizer != "byte":
+        ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
+    if not TRAIN.is_file() or (trainer and not FINETUNE.is_file()):
+        ap.error(f"{TRAIN} not found: the bench runs examples/train.py with ds_configs/ of a source "
+                 f"checkout; run it from the checkout's root (cd ds_lowcomm && python -m ds_lowcomm.bench)")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    command = "python -m ds_lowcomm.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.retarget:
+        out = Path(args.retarget)
+        config, results = reload_runs(out)
+        config["command"] = f"{config['command']}, then {command}"
+        return report(config, results, out, args.target, args.target_budget)
+    _stop_on_sigterm()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.regime in SYNC_STEPS and not args.bandwidth:
+        args.bandwidth = calibrate(args, out)
+    link = (TwoNodeLink if args.regime == "two-node" else Link)(args.bandwidth, args.latency)
+    config = {k: getattr(args, k) for k in ("world_size", "bandwidth", "latency", "model", "budgets", "micro_batch",
+                                           "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "acco_wait",
+                                           "set", "repeat", "seed", "regime", "evals", "powersgd_rank")}
+    config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency, steps=max(args.budgets),
+                  command=command)
+    for mode in args.mode_list:
+        if mode != "ideal":
+            name = config_name(mode, args.regime)
+            changed = VARIANTS.get(mode) or LOWCOMM_OPTIONS.get(mode)
+            print(f"{mode}: " + (f"ds_configs/{name}" if name else "no DeepSpeed (the Trainer's DDP)")
+                  + (f" with {changed}" if changed else "")
+                  + (" without its \"lowcomm\" section" if args.regime == "uneven-trainer" and mode == "deepspeed"
+                     else ""), flush=True)
+    total = len(args.mode_list) * len(args.budgets) * args.repeat
+    done, t_start, results = 0, time.monotonic(), []
+    try:
+        for steps in args.budgets:
+            for mode in args.mode_list:
+                runs = []
+                for rep in range(args.repeat):
+                    eta = ""
+                    if done:
+                        eta = f", ETA {(time.monotonic() - t_start) / done * (total - done) / 60:.1f} min"
+                    print(f"[{done + 1}/{total}] {mode}, {steps} steps (run {rep + 1}/{args.repeat}{eta})", flush=True)
+                    runs.append(run_one(args, mode, link, out, f"{mode}.{steps}.{rep}", steps))
+                    done += 1
+                results.append(summarize(mode, runs, link.bandwidth, steps))
+    finally:
+        link.close()
+    return report(config, results, out, args.target, args.target_budget)
+
