@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:  make train   (2-rank CPU training on the built-in corpus)
 #                                   make test    (the test suite)
+# make test-fast runs its unit and ranks tiers only (no DeepSpeed engine, no Hugging Face).
 # Both create .venv and install into it first. On a CUDA machine, install your CUDA build of
 # torch into .venv before `make install` (pip would otherwise keep the one you have).
 # A regular (not editable) install: it carries the zero-code autoload hook, and is redone when
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: install train test clean
+.PHONY: install train test test-fast clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +30,9 @@ train: install
 
 test: install
 	$(CPU_ENV) $(PY) -m pytest -q tests
+
+test-fast: install
+	$(CPU_ENV) $(PY) -m pytest -q -m "unit or ranks" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

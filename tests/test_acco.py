@@ -132,6 +132,7 @@ def simulate(blocks, variant, cfg, estimate_dtype="fp32", real_gather_dtype="fp3
     ("dpu", False, None, 1, None, None, "bf16"),
 ], ids=["acco", "acco-hf-loop", "acco-uneven", "acco-uneven-unbalanced", "acco-bf16-estimate",
         "acco-bf16-gathers", "dpu", "dpu-bf16-gather"])
+@pytest.mark.integration
 def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estimate_dtype, real_gather_dtype):
     r = run_ranks(_train_acco, 2, variant, wait, slow_rank, step_every, balance, estimate_dtype,
                   real_gather_dtype)
@@ -200,6 +201,7 @@ def _estimate_leaves_no_trace(rank, world, monitor_dir):
     return same, moved
 
 
+@pytest.mark.integration
 def test_estimate_leaves_no_trace(tmp_path):
     for same, moved in run_ranks(_estimate_leaves_no_trace, 2, str(tmp_path)):
         assert same
@@ -217,6 +219,7 @@ def test_estimate_leaves_no_trace(tmp_path):
     (4, [0.1, 0.11], [4, 4]),                # 10% slower: 3.64 rounds to 4 (noise changes nothing)
     (2, [0.2, 0.2], [2, 2]),
 ])
+@pytest.mark.unit
 def test_balanced_quota(per_round, paces, quotas):
     from ds_lowcomm.modes.acco import balanced_quota
 
@@ -238,6 +241,7 @@ def _bf16_model(rank, world, estimate_dtype):
     return losses, workers.params_digest(engine)
 
 
+@pytest.mark.integration
 def test_bf16_model_sends_the_estimate_like_the_paper():
     """A bf16 model's rounds already travel in 2 bytes: the default estimate_dtype leaves its
     training bit-identical to estimate_dtype fp32 (adding a bf16 change to bf16 weights could

@@ -18,6 +18,8 @@ import workers
 from dist import run_ranks
 from ds_lowcomm.shard.buckets import BUCKET_BYTES
 
+pytestmark = pytest.mark.integration
+
 MODES = workers.STEP_MODES
 #: step buffers of a shard's size that a mode's formula counts (README, "Memory per GPU"), as
 #: (allocating function, op, dtype): acco's estimate round writes the estimated parameters into a

@@ -28,6 +28,8 @@ FIRST_CONTACTS = {
         "spec.loader = importlib.util.LazyLoader(spec.loader); deepspeed = importlib.util.module_from_spec(spec); "
         "sys.modules['deepspeed'] = deepspeed; spec.loader.exec_module(deepspeed); deepspeed.__version__"),
 }
+pytestmark = pytest.mark.integration
+
 DIRECT_ENGINE = """
 import deepspeed, torch
 from deepspeed.runtime.engine import DeepSpeedEngine

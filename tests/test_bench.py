@@ -23,6 +23,7 @@ def _val_records(path: Path) -> list:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "val_loss" in r]
 
 
+@pytest.mark.unit
 def test_time_to_target_arithmetic():
     """Synthetic records: linear interpolation between validations, a first validation already
     at the target, a target never reached, training records and the clock (which train.py keeps
@@ -43,6 +44,7 @@ def test_time_to_target_arithmetic():
     assert time_to_target(recs, 1.5) is None
 
 
+@pytest.mark.unit
 def test_link_rate_arithmetic():
     """moderate: one DDP sync (2(W-1)/W · 4P bytes per rank, all W ranks on one loopback) in one
     step of compute; slow: in ten; two-node: one rank's share per direction of the veth, in ten."""
@@ -55,6 +57,7 @@ def test_link_rate_arithmetic():
     assert link_rate("two-node", 1.0, 1_000_000, 4) == ("4800kbit", 6e6)
 
 
+@pytest.mark.integration
 def test_bench_tiny(tmp_path):
     """`--regime fast` (no link limit) with a tiny model, every mode and peer."""
     modes = ["ideal", "ddp", "ddp-powersgd", "deepspeed", "zero1", "acco", "dpu", "zero1-overlap"]
@@ -112,6 +115,7 @@ def test_bench_tiny(tmp_path):
     assert all(f"| {m} |" in table for m in modes) and "seconds to target" in table
 
 
+@pytest.mark.integration
 def test_bench_budget_sweep(tmp_path):
     """Each budget is its own run with its own schedule; a mode is reported at the budget that
     reached the target soonest; --target overrides the default."""
@@ -155,6 +159,7 @@ def test_bench_budget_sweep(tmp_path):
     assert next(r for r in again["runs"] if (r["mode"], r["steps"]) == ("ddp", 2))["seconds_to_target"] is not None
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
                     reason="a private network namespace needs root and iproute2")
 def test_link_bytes_match_accounting(tmp_path):
@@ -176,6 +181,7 @@ def test_link_bytes_match_accounting(tmp_path):
     assert runs["deepspeed"]["link_bytes_per_step"] >= 1.4 * runs["zero1"]["link_bytes_per_step"]
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
                     reason="two network namespaces need root and iproute2")
 def test_two_node_regime(tmp_path):
@@ -197,6 +203,7 @@ def test_two_node_regime(tmp_path):
     assert 0 < runs["demo"]["link_bytes_per_step"] < runs["ddp"]["link_bytes_per_step"]
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="the namespace needs root and iproute2")
 def test_sigterm_stops_the_runs_and_removes_the_namespace(tmp_path):
     """A bench killed mid-run (a scheduler's SIGTERM) leaves no training process and no namespace."""
@@ -222,6 +229,7 @@ def test_sigterm_stops_the_runs_and_removes_the_namespace(tmp_path):
 CHECKPOINT_BYTES_PER_PARAM = {"deepspeed": 16, "zero1": 16, "acco": 28, "demo": 20, "desloc": 28}
 
 
+@pytest.mark.integration
 def test_checkpoint_bench_tiny(tmp_path):
     # --async-save: every mode's background save is published complete (the files and weights below)
     labels = list(CHECKPOINT_BYTES_PER_PARAM)
@@ -240,6 +248,7 @@ def test_checkpoint_bench_tiny(tmp_path):
             label, r["checkpoint_bytes"] / r["params"])
 
 
+@pytest.mark.integration
 def test_bench_uneven_trainer_tiny(tmp_path):
     """`--regime uneven-trainer`: the Hugging Face Trainer (examples/finetune_hf.py) with rank 1 3x
     slower: zero1 paced by the fastest rank, zero1-slowest and the Trainer's DDP run (acco and stock

@@ -12,6 +12,8 @@ import torch
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 N = 4
 
 

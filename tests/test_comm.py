@@ -6,6 +6,8 @@ import torch
 
 from dist import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 WORLD, SHARD = 3, 1001  # 1001 elements per shard: chunks of 5 and 6 elements end unevenly
 
 

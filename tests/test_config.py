@@ -127,6 +127,7 @@ BAD = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("edit,key,words", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
 def test_bad_config_names_the_key(edit, key, words):
     with pytest.raises(LowCommConfigError) as info:
@@ -137,6 +138,7 @@ def test_bad_config_names_the_key(edit, key, words):
     assert words in msg, msg
 
 
+@pytest.mark.unit
 def test_good_config_defaults():
     cfg = parse(GOOD)
     assert cfg == LowCommConfig(mode="zero1", comm_dtype="auto", shard_group_size=None,
@@ -149,6 +151,7 @@ def test_good_config_defaults():
         parse(variant(lambda c: c.update(model, data_types={"grad_accum_dtype": accum})))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["zero1", "acco", "demo", "desloc"])
 def test_trainer_configs_match_the_deepspeed_ones(mode):
     """ds_configs/hf/<mode>.json: the shipped mode's "lowcomm" section, and only "auto" where a
@@ -166,6 +169,7 @@ def test_trainer_configs_match_the_deepspeed_ones(mode):
     assert parse(filled).mode == mode
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json")
                                         if p.name != "deepspeed_zero1.json"))
 def test_shipped_configs_are_valid(name):
@@ -174,6 +178,7 @@ def test_shipped_configs_are_valid(name):
     assert parse(cfg).mode == cfg["lowcomm"]["mode"]
 
 
+@pytest.mark.integration
 def test_initialize_rejects_before_touching_distributed():
     """A bad config raises from deepspeed.initialize itself, before any process group exists."""
     import deepspeed
@@ -201,6 +206,7 @@ def _init_error(rank, world, lowcomm):
     ({"mode": "zero1", "shard_group_size": 3}, "lowcomm.shard_group_size: got 3, which does not divide the world size 2"),
     ({"mode": "zero1", "shard_group_size": 1}, "lowcomm.shard_group_size: got 1; mode 'zero1' shards over all 2 ranks"),
 ], ids=["not-a-divisor", "zero1-replicas"])
+@pytest.mark.integration
 def test_world_size_errors_on_every_rank(lowcomm, message):
     """Checks that need the world size fail on every rank, before training, instead of hanging."""
     from dist import run_ranks
@@ -228,6 +234,7 @@ def _client_optimizer_error(rank, world):
     return None
 
 
+@pytest.mark.integration
 def test_client_optimizer_gets_the_same_checks():
     from dist import run_ranks
 
@@ -241,6 +248,7 @@ def _clipping(rank, world):
     return workers.build_engine(cfg).optimizer.gradient_clipping
 
 
+@pytest.mark.integration
 def test_gradient_clipping_follows_deepspeeds_default():
     """A JSON without "gradient_clipping" clips as stock DeepSpeed would (its default is 1.0
     since 0.19.3, no longer 0)."""

@@ -12,7 +12,8 @@ import torch
 import workers
 from dist import run_ranks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = {"DS_ACCELERATOR": "cuda"}
 STEPS = 8
 #: relative tolerance of zero1 against stock DeepSpeed per dtype: fp32 sums in another order

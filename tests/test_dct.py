@@ -5,6 +5,8 @@ import torch
 
 from ds_lowcomm.modes.dct import DctTopK
 
+pytestmark = pytest.mark.unit
+
 
 def test_dct_is_orthonormal_and_inverts():
     codec = DctTopK(numel=3 * 64 * 64, chunk=64)

@@ -8,6 +8,8 @@ import workers
 from dist import run_ranks
 from ds_lowcomm.modes.dct import DctTopK
 
+pytestmark = pytest.mark.integration
+
 GAS = 2
 
 

@@ -5,6 +5,8 @@ import torch
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 
 def desloc_config(g, **periods):
     return workers.config("desloc", shard_group_size=g, desloc=periods)

@@ -8,6 +8,8 @@ import pytest
 
 from dist import free_port
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT_S = 20
 HERE = os.path.dirname(__file__)
 

@@ -5,6 +5,8 @@ import torch
 
 from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 
+pytestmark = pytest.mark.unit
+
 
 def _params():
     shapes = [(10,), (7, 5), (3,), (2, 3, 4)]  # at flat offsets 0, 10, 45, 48; 72 elements

@@ -1,10 +1,13 @@
 """``tools/gpu_check.sh --dry-run``: the GPU check's whole plan on the CPU, so it keeps working
 between the rare runs on a GPU machine (two modes here; the GPU run takes every mode)."""
+import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,8 @@ import torch
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 MBS, GAS, LR = 2, 2, 3e-3
 
 AUTO_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",

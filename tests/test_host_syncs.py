@@ -21,6 +21,8 @@ import torch
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 MODES = workers.STEP_MODES
 #: host reads per step on the training thread: the synchronous modes' global norm (its verdict
 #: decides on the host whether to update); none in the overlapped ones

@@ -1,7 +1,10 @@
 """The package's shape: no import cycle (imports inside functions included), and modes that only
 describe their state (no file I/O of their own)."""
+import pytest
 import ast
 from pathlib import Path
+
+pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ds_lowcomm"
 

@@ -1,8 +1,11 @@
 """The kill-during-save script (tests/kill_during_save.py) over a few seeds, so one seed's luck
 cannot hide a failure; a save killed twice at one tag, by hand, is test_checkpoint.py's."""
+import pytest
 import os
 import subprocess
 import sys
+
+pytestmark = pytest.mark.integration
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

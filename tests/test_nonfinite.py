@@ -14,6 +14,8 @@ import pytest
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 STEPS = 6
 BAD_STEP = 3
 NAN, INF = float("nan"), float("inf")

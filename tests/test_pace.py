@@ -20,6 +20,7 @@ from dist import run_ranks
 GAS = 4
 
 
+@pytest.mark.unit
 def test_pace_quota():
     from ds_lowcomm.shard.pace import pace_quota
 
@@ -32,6 +33,7 @@ def test_pace_quota():
     assert pace_quota(4, 2.0, 2.0, 1.0) == 4  # forward only saves nothing: compute it all
 
 
+@pytest.mark.unit
 def test_token_weight_counts_what_transformers_counts():
     import transformers
 
@@ -72,6 +74,7 @@ class _Event:
         raise AssertionError("the pacer waited for an event")
 
 
+@pytest.mark.unit
 def test_cuda_clock_reads_events_only_once_completed(monkeypatch):
     from ds_lowcomm.shard.pace import Pacer
 
@@ -142,6 +145,7 @@ def _reference_gradient(tokens, keep, block, world=2):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["zero1", "acco"])
 @pytest.mark.parametrize("tokens", [False, True], ids=["by-micro-batch", "by-token"])
 def test_the_gradient_is_weighted_by_what_was_computed(mode, tokens):
@@ -181,6 +185,7 @@ def _even(rank, world, cfg):
                 shares=engine.comm_stats().get("computed_share_by_rank"))
 
 
+@pytest.mark.integration
 def test_even_ranks_train_as_without_pacing():
     cfg = workers.config("zero1")
     cfg["gradient_accumulation_steps"] = GAS

@@ -14,6 +14,8 @@ import torch
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 
 def _config(mode, gas=2, bf16=False, **lowcomm):
     cfg = workers.config(mode, bf16=bf16, **lowcomm)

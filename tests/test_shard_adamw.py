@@ -6,6 +6,8 @@ import torch
 from ds_lowcomm.shard.flat import ShardLayout
 from ds_lowcomm.shard.adamw import ShardAdamW
 
+pytestmark = pytest.mark.unit
+
 GROUPS = [dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
           dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
 

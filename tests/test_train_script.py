@@ -10,6 +10,8 @@ import pytest
 
 import workers
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train.py")
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",

@@ -31,6 +31,8 @@ import torch
 import workers
 from dist import free_port
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
 BIN = Path(sys.executable).parent

@@ -7,6 +7,7 @@ the worker thread sets its device, makes its side stream wait on that event and 
 with the side stream current; a done event is recorded on the side stream after the round, and
 nobody synchronizes on it: ``wait`` makes the training stream wait on it, and ``poll`` asks it.
 """
+import pytest
 import threading
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from ds_lowcomm.comm.collectives import CommStats
 from ds_lowcomm.comm.round import Round
 from ds_lowcomm.comm.worker import CommWorker
+
+pytestmark = pytest.mark.unit
 
 LOG = []
 _local = threading.local()

@@ -5,6 +5,8 @@ import torch
 import workers
 from dist import run_ranks
 
+pytestmark = pytest.mark.integration
+
 STEPS = 20
 
 

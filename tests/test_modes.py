@@ -1,0 +1,227 @@
+"""The mode tier: each mode built from a real ModeContext around a small torch model on real gloo
+ranks (no DeepSpeed, no Hugging Face), against references written here from the papers'
+equations with ``torch.optim.AdamW`` and a DCT from its formula; no library code in a reference.
+
+Each rank trains the same model on its own data: micro-batch ``m`` of step ``t`` on rank ``r`` is
+``_data(r, t, m)``; the loss of a micro-batch is divided by the accumulation steps, as DeepSpeed's
+engine scales it.
+"""
+import math
+
+import pytest
+import torch
+
+from dist import run_ranks
+
+pytestmark = pytest.mark.ranks
+
+GAS, STEPS = 2, 6
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _model():
+    torch.manual_seed(0)
+    # 6·10 + 10 + 10·3 + 3 = 103 elements: shards end inside matrices and between them
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def _data(rank, step, micro):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y) / GAS
+
+
+def _train(rank, world, lowcomm, clip=0.0):
+    """STEPS steps of the mode from ``lowcomm`` (a "lowcomm" JSON section) through a ModeContext
+    built here as the optimizer builds it; returns the model's parameters, flat, after each step."""
+    from ds_lowcomm.comm.collectives import CommStats
+    from ds_lowcomm.comm.topology import Topology
+    from ds_lowcomm.comm.worker import CommWorker
+    from ds_lowcomm.config import parse
+    from ds_lowcomm.modes import MODES
+    from ds_lowcomm.shard.context import ModeContext
+    from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
+
+    cfg = parse({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS,
+                 "zero_optimization": {"stage": 1}, "lowcomm": lowcomm}, MODES)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    model = _model()
+    groups = [dict(params=list(model.parameters()), **HP)]
+    stats = CommStats()
+    topo = Topology.build(cfg.shard_group_size, 60.0, stats)
+    flat = FlatParams(groups, topo.shard.world, topo.shard.rank)
+    grads = GradAccumulator(flat)
+    mode_cls = MODES[cfg.mode]
+    worker = CommWorker(stats, flat.device, asynchronous=mode_cls.is_asynchronous(cfg.mode_options))
+    steps = [0]
+    ctx = ModeContext(flat=flat, grads=grads, topology=topo, worker=worker, param_groups=groups,
+                      comm_dtype=torch.float32, gradient_clipping=clip, gradient_accumulation_steps=GAS,
+                      checkpoint_comm=topo.shard.counted_in(CommStats()), _loss_scale=lambda: 1.0,
+                      _steps=lambda: steps[0], step_taken=lambda: steps.__setitem__(0, steps[0] + 1),
+                      record_step=lambda *verdict: None)
+    mode = mode_cls(ctx, cfg.mode_options)
+    mode.bind_loop(False)
+    after = []
+    for t in range(STEPS):
+        grads.attach()
+        for m in range(GAS):
+            boundary = m == GAS - 1
+            mode.on_backward_start(boundary)
+            _loss(model, *_data(rank, t, m)).backward()
+            grads.count(True, 1.0)
+            mode.on_micro_batch_end(boundary)
+        mode.step()
+        mode.flush()
+        after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    worker.close()
+    torch.distributed.destroy_process_group()
+    return {"after": after, "steps": steps[0], "bytes": stats.as_dict()["ops"]}
+
+
+def _grad(model, rank, t):
+    """This rank's accumulated gradient of step ``t`` (the sum over its micro-batches)."""
+    model.zero_grad(set_to_none=True)
+    for m in range(GAS):
+        _loss(model, *_data(rank, t, m)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_zero1_is_adamw_on_the_mean_gradient():
+    """ZeRO-1 sharded over 2 ranks: AdamW on the gradient averaged over ranks, clipped to its
+    global norm by DeepSpeed's rule (scale (norm + 1e-6) / clip when above 1), step by step. The
+    clipping is what makes the mean's scale visible (AdamW alone hardly sees it)."""
+    clip = 0.9  # between the steps' norms (0.6 to 1.2): some steps clipped, some not
+    results = run_ranks(_train, 2, {"mode": "zero1"}, clip)
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    clipped = []
+    for t in range(STEPS):
+        per_rank = [_grad(ref, r, t) for r in range(2)]
+        for p, g0, g1 in zip(ref.parameters(), *per_rank):
+            p.grad = (g0 + g1) * 0.5
+        norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in ref.parameters()))
+        factor = (norm + 1e-6) / clip
+        clipped.append(factor > 1)
+        if factor > 1:
+            for p in ref.parameters():
+                p.grad.mul_(1.0 / factor)
+        opt.step()
+        for res in results:
+            torch.testing.assert_close(res["after"][t], _flat(ref), rtol=1e-6, atol=1e-7)
+    assert any(clipped) and not all(clipped), clipped  # both branches taken
+    assert all(res["steps"] == STEPS for res in results)
+
+
+def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0):
+    """Two replicas, each AdamW on its own rank's data; after step t's update the parameters are
+    averaged when Kx divides t (DiLoCo's outer Nesterov on the average when configured), the first
+    moment when Ku does, the second when Kv does (DES-LOC, arXiv 2505.22549, Algorithm 1)."""
+    models = [_model(), _model()]
+    opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    buf = [torch.zeros_like(a) for a in anchor]
+    out = []
+    for t in range(1, STEPS + 1):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
+                p.grad = g
+            opt.step()
+        pairs = list(zip(models[0].parameters(), models[1].parameters()))
+        if t % kv == 0:
+            for a, b in pairs:
+                avg = (opts[0].state[a]["exp_avg_sq"] + opts[1].state[b]["exp_avg_sq"]) * 0.5
+                opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"] = avg.clone(), avg.clone()
+        if t % ku == 0:
+            for a, b in pairs:
+                avg = (opts[0].state[a]["exp_avg"] + opts[1].state[b]["exp_avg"]) * 0.5
+                opts[0].state[a]["exp_avg"], opts[1].state[b]["exp_avg"] = avg.clone(), avg.clone()
+        if t % kx == 0:
+            with torch.no_grad():
+                for i, (a, b) in enumerate(pairs):
+                    avg = (a + b) * 0.5
+                    if outer_lr != 1.0 or outer_momentum != 0.0:
+                        delta = anchor[i] - avg  # the outer pseudo-gradient
+                        buf[i] = outer_momentum * buf[i] + delta
+                        anchor[i] = anchor[i] - outer_lr * (delta + outer_momentum * buf[i])  # Nesterov
+                        avg = anchor[i]
+                    a.copy_(avg)
+                    b.copy_(avg)
+        out.append([_flat(m) for m in models])
+    return out
+
+
+@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
+def test_desloc_is_local_adamw_with_its_averages(outer):
+    """Each rank its own replica (shard_group_size 1); parameters, first and second moments
+    averaged on their own periods (2, 3, 4: every combination meets within 6 steps)."""
+    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}})
+    ref = _desloc_reference(2, 3, 4, **outer)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[0]["after"][1], results[1]["after"][1])  # synced at step 2
+    assert not torch.equal(results[0]["after"][2], results[1]["after"][2])  # apart at step 3
+    # replica bytes: the 103 fp32 elements padded to 112 (whole blocks of 16) per all-reduce,
+    # 2·(R−1)/R of them per call; the syncs of 6 steps: θ at 2, 4, 6, m at 3, 6, v at 4
+    ops = results[0]["bytes"]["replica.all_reduce"]
+    assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
+
+
+def _dct_matrix(n):
+    """Orthonormal DCT-II: D[k, i] = sqrt(2/n)·cos(π/n·(i + 1/2)·k), row 0 divided by sqrt(2)."""
+    i = torch.arange(n, dtype=torch.float64)
+    d = torch.cos(math.pi / n * (i[None, :] + 0.5) * i[:, None]) * math.sqrt(2.0 / n)
+    d[0] /= math.sqrt(2.0)
+    return d
+
+
+def _demo_reference(chunk, topk, beta):
+    """DeMo (arXiv 2411.19870, Algorithm 1) with two replicas and flat tiling: the momentum of the
+    flat parameters, zero-padded to whole tiles of chunk × chunk (103 → 112 elements here, which
+    is also the shard's padding), 2-D DCT of each tile, the top-k |coefficients| per tile kept
+    (as bf16), error feedback, and the update from the sign of the inverse DCT of the
+    per-coefficient mean over the replicas that sent it."""
+    model = _model()
+    n = _flat(model).numel()
+    tiles = -(-n // (chunk * chunk))
+    d = _dct_matrix(chunk)
+    delta = [torch.zeros(tiles * chunk * chunk, dtype=torch.float64) for _ in range(2)]
+    out = []
+    for t in range(STEPS):
+        sent = []
+        for r in range(2):
+            g = torch.cat([x.reshape(-1) for x in _grad(model, r, t)]).double()
+            delta[r] *= beta
+            delta[r][:n] += HP["lr"] * g
+            coeffs = (d @ delta[r].view(tiles, chunk, chunk) @ d.T).reshape(tiles, -1)
+            keep = coeffs.abs().topk(topk, dim=1).indices
+            vals = torch.zeros_like(coeffs)
+            vals.scatter_(1, keep, coeffs.gather(1, keep).to(torch.bfloat16).double())
+            delta[r] -= (d.T @ vals.view(tiles, chunk, chunk) @ d).reshape(-1)
+            sent.append(vals)
+        carried = sum((v != 0).double() for v in sent)
+        mean = sum(sent) / carried.clamp(min=1)
+        q = (d.T @ mean.view(tiles, chunk, chunk) @ d).reshape(-1)[:n]
+        with torch.no_grad():
+            theta = _flat(model).double() * (1 - HP["lr"] * HP["weight_decay"]) - HP["lr"] * torch.sign(q)
+            torch.nn.utils.vector_to_parameters(theta.float(), model.parameters())
+        out.append(_flat(model))
+    return out
+
+
+def test_demo_is_the_papers_update_with_a_dct_from_its_formula():
+    """Two replicas (shard_group_size 1), flat tiling in tiles of 4 × 4, top 3 per tile in bf16."""
+    demo = {"chunk": 4, "topk": 3, "tiling": "flat", "values": "bf16", "beta": 0.9}
+    results = run_ranks(_train, 2, {"mode": "demo", "shard_group_size": 1, "demo": demo})
+    ref = _demo_reference(4, 3, 0.9)
+    for t in range(STEPS):
+        for res in results:
+            torch.testing.assert_close(res["after"][t], ref[t], rtol=1e-5, atol=1e-6)
