@@ -378,3 +378,69 @@ def test_per_rank_state_reshards(tmp_path, mode):
                                                    + saved[1]["shards"]["master"][:numel]) / 2)
         if mode != "desloc":  # DES-LOC replicas drift again after the load, by design
             assert len({got["digest"] for got in loaded}) == 1
+
+
+#: the modes' checkpoint methods: they describe and restore state, and communicate nothing
+STATE_METHODS = ("state_dict", "sharded_state", "rank_state_dict", "load_state_dict", "load_rank_state_dict",
+                 "reshard_rank_state", "load_weights")
+QUIET_MODES = {**workers.STEP_MODES, "desloc-mid-period": {"shard_group_size": 1, "desloc": {"param_sync_every": 4}}}
+
+
+def _collectives_in_state_methods(rank, world, tmp):
+    """For each mode: 3 steps, a save, a load into a fresh engine (all state, then weights only);
+    every collective ds_lowcomm issues is recorded in a CommStats (the training's, the
+    checkpoint's): count those issued while a mode's state method runs."""
+    from ds_lowcomm.comm.collectives import CommStats
+
+    inside, issued = [0], []
+    record = CommStats.record
+
+    def counting(self, op, *args):
+        if inside[0]:
+            issued.append(op)
+        return record(self, op, *args)
+
+    CommStats.record = counting
+
+    def watch(engine):
+        mode = engine.optimizer.mode
+        for name in STATE_METHODS:
+            method = getattr(mode, name)
+
+            def watched(*args, _method=method, **kwargs):
+                inside[0] += 1
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    inside[0] -= 1
+            setattr(mode, name, watched)
+        return engine
+
+    out = {}
+    for label, lowcomm in QUIET_MODES.items():
+        mode = label.split("-")[0]
+        cfg = workers.config(mode, **lowcomm)
+        engine = watch(workers.build_engine(cfg))
+        workers.train(engine, 3, rank=rank)
+        engine.save_checkpoint(f"{tmp}/{label}")
+        before = engine.optimizer.flat.buffer.clone()
+        fresh = watch(workers.build_engine(cfg, seed=11))
+        fresh.load_checkpoint(f"{tmp}/{label}")
+        restored = torch.equal(fresh.optimizer.flat.buffer, before)
+        weights = watch(workers.build_engine(cfg, seed=12))
+        weights.load_checkpoint(f"{tmp}/{label}", load_optimizer_states=False)
+        for e in (engine, fresh, weights):
+            e.destroy()
+        out[label] = (list(issued), restored)
+        issued.clear()
+    return out
+
+
+def test_mode_state_methods_communicate_nothing(tmp_path):
+    """A save and a load run no collective inside the modes' state methods (the engine settles
+    once before each), and each rank's parameters come back as they were: DES-LOC's replica its
+    own mid-period, from its files."""
+    for res in run_ranks(_collectives_in_state_methods, 2, str(tmp_path), timeout=600):
+        for label, (issued, restored) in res.items():
+            assert issued == [], (label, issued)
+            assert restored, label

@@ -335,7 +335,6 @@ class Acco(Mode):
                 "micro_batches_per_round_by_rank": by_rank}
 
     def state_dict(self) -> dict:
-        self.settle()
         pending = self.inflight.verdict()  # its parameters travel in the shards
         if pending is not None:
             pending["estimate"] = self.inflight.round.estimate
@@ -346,7 +345,6 @@ class Acco(Mode):
     def sharded_state(self) -> dict:
         """Master and moments; with a round finished and not installed, this rank's slice of its
         all-gathered result too (an estimate's parameters are nowhere else)."""
-        self.settle()
         state = self.adamw.sharded_state()
         rnd, layout = self.inflight.round, self.ctx.flat.layout
         if rnd is not None and rnd.delta is not None:

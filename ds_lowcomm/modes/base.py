@@ -75,11 +75,15 @@ class Mode(abc.ABC):
 
     def settle(self) -> None:
         """Make the optimizer state stable and the same step on every rank, without changing the
-        model (collective; before a checkpoint is tagged and written)."""
+        model (collective). The engine calls it once before a checkpoint is tagged and written and
+        once before one is loaded; the state methods below assume it and communicate nothing."""
 
     @abc.abstractmethod
     def master_weights(self) -> torch.Tensor:
         """The full fp32 master weights, unpadded flat (collective: every rank must call it)."""
+
+    # -- state: no communication in any of these (tests/test_checkpoint.py counts); the engine
+    # settles first, and reads and writes files through the Checkpointer
 
     @abc.abstractmethod
     def state_dict(self) -> dict:

@@ -250,14 +250,12 @@ class Demo(Mode):
     def state_dict(self) -> dict:
         """``pending``: the master includes an update that has not reached the model yet (the
         model's own weights are saved by DeepSpeed)."""
-        self.settle()
         pending = self.inflight.verdict()
         return {"step": self.step_count, "pending": pending}
 
     def sharded_state(self) -> dict:
         """The master (every replica holds the same) and this replica's momentum δ, sharded over
         the shard group."""
-        self.settle()
         return {"master": self.master, "delta": self.delta}
 
     def load_state_dict(self, state: dict, shards) -> None:
@@ -295,7 +293,6 @@ class Demo(Mode):
     def rank_state_dict(self) -> dict:
         """With a look-ahead in force, this rank's model parameters (its own look-ahead point:
         the model weights DeepSpeed saves are rank 0's)."""
-        self.settle()
         state = rank_layout(self.ctx.topology)
         if self.inflight.round is not None and self.options.lookahead:
             state["lookahead_params"] = self.ctx.flat.buffer.clone()

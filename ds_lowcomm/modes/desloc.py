@@ -146,7 +146,8 @@ class Desloc(Mode):
         would have made (:meth:`reshard_rank_state` then sets the step count and the model)."""
         topo, layout = self.ctx.topology, self.ctx.flat.layout
         self.rounds = int(state.get("rounds", state.get("step", 0)))
-        if shards.same_layout(topo):
+        same = shards.same_layout(topo)
+        if same:
             mine = shards.of_replica(topo.rank // topo.shard_group_size)
             read = lambda key, like: mine.shard(key, layout, like)  # noqa: E731
         else:
@@ -156,6 +157,9 @@ class Desloc(Mode):
         for key in self._SHARDED:
             if key in saved:
                 setattr(a, key, read(key, a.master))
+        if same and "master" in saved:
+            # The model file holds replica 0's parameters: this replica's own, from its files.
+            self.ctx.set_params(mine.full("master", a.master))
         if self.outer:
             if "anchor" not in saved and shards.same_layout(topo) and "anchor" in shards.rank_state(topo.rank):
                 return  # in the rank file (older checkpoints)
@@ -188,9 +192,11 @@ class Desloc(Mode):
         if self.outer and "anchor" in state:
             self.anchor.copy_(state["anchor"])
             self.outer_buf.copy_(state["outer_buf"])
-        # The model file holds replica 0's parameters: give this replica its own (collective).
-        ctx = self.ctx
-        ctx.checkpoint_comm.all_gather(ctx.flat.buffer, self.adamw.master.to(ctx.flat.dtype, copy=True))
+        if "master" in state:
+            # (A checkpoint from before sharded saves: the master only in the rank files.) The
+            # model file holds replica 0's parameters: this replica's own (collective).
+            ctx = self.ctx
+            ctx.checkpoint_comm.all_gather(ctx.flat.buffer, self.adamw.master.to(ctx.flat.dtype, copy=True))
 
     def reshard_rank_state(self, shards) -> None:
         """Saved at another layout: the replicas were averaged (:meth:`load_state_dict`); the Adam

@@ -124,10 +124,8 @@ class Zero1(Mode):
 
     def load_state_dict(self, state: dict, shards) -> None:
         """The model's weights come from DeepSpeed's file: the master's last all-gather."""
-        self.settle()
         self.adamw.load_shards(shards, state["step"])
 
     def load_weights(self, shards) -> None:
-        self.settle()
         self.adamw.load_shards(shards, None)
         self.ctx.set_params(shards.full("master", self.adamw.master))
