@@ -13,7 +13,7 @@ import pytest
 import workers
 from dist import run_ranks
 
-OURS = "ds_lowcomm/initialize.py"
+OURS = "ds_lowcomm/integration/initialize.py"
 # Each snippet reaches DeepSpeed a different way, then prints the file deepspeed.initialize is from.
 FIRST_CONTACTS = {
     "find_spec then import": "import importlib.util; importlib.util.find_spec('deepspeed'); import deepspeed",

@@ -15,9 +15,8 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ds_lowcomm.checkpoint import Checkpointer
-from ds_lowcomm.config import (GRAD_ACCUM_DTYPES, SECTION, LowCommConfig, LowCommConfigError,
+from ds_lowcomm.config import (GRAD_ACCUM_DTYPES, LowCommConfig, LowCommConfigError,
                                check_adamw_hyperparameters)
-from ds_lowcomm.modes import MODES
 from ds_lowcomm.optimizer import LowCommOptimizer
 from ds_lowcomm.shard.pace import token_weight
 
@@ -107,7 +106,10 @@ class LowCommEngine(DeepSpeedEngine):
     #: the autoload hook's engine check lets this class, and no stock engine, take a "lowcomm" JSON
     accepts_lowcomm_config = True
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, lowcomm_config: LowCommConfig, **kwargs) -> None:
+        """DeepSpeedEngine's arguments, and the ``"lowcomm"`` section as
+        :func:`~ds_lowcomm.integration.initialize.initialize` parsed it (the one parse)."""
+        self.lowcomm_config = lowcomm_config
         #: (computed, weight) of the latest training forward pass, for its backward
         self._micro_batch = None
         self._loop_bound = False
@@ -115,7 +117,7 @@ class LowCommEngine(DeepSpeedEngine):
         self.enable_backward_allreduce = False
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
-        cfg = LowCommConfig.from_dict(self._config._param_dict[SECTION], MODES)
+        cfg = self.lowcomm_config
         names: Dict[int, List[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)

@@ -88,7 +88,8 @@ def initialize(*args, **kwargs):
     from ds_lowcomm.integration.hf import install_trainer_hooks
 
     install_trainer_hooks()  # a no-op unless the Hugging Face Trainer is loaded
-    saved, deepspeed.DeepSpeedEngine = deepspeed.DeepSpeedEngine, LowCommEngine
+    # DeepSpeed's initialize builds ``DeepSpeedEngine(...)`` by its module-level name.
+    saved, deepspeed.DeepSpeedEngine = deepspeed.DeepSpeedEngine, functools.partial(LowCommEngine, lowcomm_config=cfg)
     try:
         return _original_initialize(*bound.args, **bound.kwargs)
     finally:
