@@ -23,8 +23,8 @@ class Link:
         if not bandwidth and not latency:
             return
         if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-            print(f"bench: --bandwidth/--latency need root and iproute2 (ip, tc); running UNLIMITED "
-                  f"on the host loopback instead", flush=True)
+            print("bench: --bandwidth/--latency need root and iproute2 (ip, tc); running UNLIMITED "
+                  "on the host loopback instead", flush=True)
             self.bandwidth = self.latency = None
             return
         self.ns = f"lowcomm-bench-{os.getpid()}"

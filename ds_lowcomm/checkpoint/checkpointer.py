@@ -24,12 +24,12 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ds_lowcomm.checkpoint.files import (MANIFEST, MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
+from ds_lowcomm.checkpoint.files import (MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
                                          file_record, fsync_parent_dir, rank_file_name, resolve_tag, safe_load, verify_files,
                                          write_manifest)
 from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model, reader_for
@@ -82,6 +82,38 @@ def _snapshot(obj: Any) -> Any:
     return obj
 
 
+class CheckpointedMode(Protocol):
+    """What the Checkpointer reads of a mode (:class:`~ds_lowcomm.modes.base.Mode`)."""
+
+    #: its per-rank state needs the layout it was saved with (else :meth:`reshard_rank_state`)
+    has_rank_state: bool
+
+    def reshard_rank_state(self, shards: ShardReader) -> None:
+        """Rebuild per-rank state saved at another layout, from the files. No communication."""
+
+
+class Checkpointed(Protocol):
+    """What the Checkpointer uses of the optimizer it saves and loads
+    (:class:`~ds_lowcomm.optimizer.LowCommOptimizer`); no member is called with communication."""
+
+    #: names per parameter, matched against a checkpoint's before anything is loaded
+    param_names: List[List[str]]
+    flat: Any  # FlatParams: ``params`` (shapes) and ``layout`` (this rank's shard range)
+    topology: Any  # Topology: world size and shard group size, for a checkpoint's layout
+    mode: CheckpointedMode
+    #: set around DeepSpeed's load: where :meth:`load_state_dict` reads the flat state
+    checkpoint_shards: Optional[ShardReader]
+
+    def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """Restore the metadata, and the flat state from ``checkpoint_shards``."""
+
+    def rank_state_dict(self) -> dict:
+        """What this rank writes to its own file."""
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`rank_state_dict` of the same rank, saved with this layout."""
+
+
 class Checkpointer:
     """Saves and loads one rank's part of a checkpoint of a
     :class:`~ds_lowcomm.optimizer.LowCommOptimizer` (``optimizer``), beside DeepSpeed's files.
@@ -90,7 +122,7 @@ class Checkpointer:
     collective over the default process group, and so is construction with ``async_save`` (it
     creates the private gloo group the background saves agree on)."""
 
-    def __init__(self, optimizer, rank: int, device, async_save: bool = False,
+    def __init__(self, optimizer: Checkpointed, rank: int, device, async_save: bool = False,
                  timeout_s: float = 300.0) -> None:
         self.optimizer, self.rank, self.device = optimizer, rank, device
         self.async_save = async_save

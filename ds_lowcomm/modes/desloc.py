@@ -27,7 +27,7 @@ learning-rate schedule wait one step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 

@@ -23,7 +23,7 @@ which ranks' own sums were non-finite, for the log.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
