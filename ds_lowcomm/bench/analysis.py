@@ -21,13 +21,13 @@ RUN_KEYS = ("mode", "world_size", "bandwidth", "tokens_per_s", "step_time_s", "e
             "tokens_to_target", "step_to_target")
 
 
-def _records(path: Path) -> list:
+def read_records(path: Path) -> list:
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
 
 
-def _ideal_records(path: Path, world: int) -> list:
+def ideal_records(path: Path, world: int) -> list:
     """``ideal``'s curve: rank 0's, its tokens scaled to all W trainings (they run at one pace)."""
-    return [dict(r, tokens=r["tokens"] * world) if "tokens" in r else r for r in _records(path)]
+    return [dict(r, tokens=r["tokens"] * world) if "tokens" in r else r for r in read_records(path)]
 
 
 def reload_runs(out: Path) -> Tuple[dict, List[dict]]:
@@ -42,9 +42,9 @@ def reload_runs(out: Path) -> Tuple[dict, List[dict]]:
     for r in runs:
         labels = [f"{r['mode']}.{r['steps']}.{rep}" for rep in range(r["repeats"])]
         if r["mode"] == "ideal":
-            recs = [_ideal_records(out / "logs" / f"{label}.rank0.jsonl", r["world_size"]) for label in labels]
+            recs = [ideal_records(out / "logs" / f"{label}.rank0.jsonl", r["world_size"]) for label in labels]
         else:
-            recs = [_records(out / "logs" / f"{label}.jsonl") for label in labels]
+            recs = [read_records(out / "logs" / f"{label}.jsonl") for label in labels]
         if not all(recs):
             raise SystemExit(f"bench: --retarget {out}: the per-step log of {r['mode']} at {r['steps']} "
                              f"steps is missing or empty in {out / 'logs'}; retarget the directory the "

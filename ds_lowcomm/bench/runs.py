@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ds_lowcomm.bench.analysis import _ideal_records, _records
+from ds_lowcomm.bench.analysis import ideal_records, read_records
 from ds_lowcomm.bench.link import Link, free_port
 
 
@@ -196,7 +196,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
             pass
         result = _result(text, label)
         result["mode"] = mode
-        result["records"] = _records(log_json)
+        result["records"] = read_records(log_json)
         return result
     if mode == "ideal":
         # W single-rank trainings at once: same per-rank work and machine load, no communication.
@@ -223,7 +223,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
                       val_loss=statistics.mean(p["val_loss"] for p in parts),
                       bytes_sent_per_rank_per_step=0.0, bytes_received_per_rank_per_step=0.0,
                       exposed_comm_s_per_step=0.0, link_bytes_per_rank_per_step=None)
-        result["records"] = _ideal_records(logs / f"{label}.rank0.jsonl", args.world_size)
+        result["records"] = ideal_records(logs / f"{label}.rank0.jsonl", args.world_size)
         return result
     log_json = logs / f"{label}.jsonl"
     log_json.unlink(missing_ok=True)
@@ -256,7 +256,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
     result["mode"] = mode  # train.py names the mode of the config: "zero1" for zero1-overlap
     if link_bytes is not None:
         result["link_bytes_per_rank_per_step"] = link_bytes / args.world_size / steps
-    result["records"] = _records(log_json)
+    result["records"] = read_records(log_json)
     return result
 
 

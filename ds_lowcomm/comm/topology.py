@@ -55,11 +55,12 @@ class Topology:
         # order on every rank, including the groups this rank is not in.
         if g == 1:  # no communicator for a group of one (each would be an eager NCCL one)
             shard = GroupOfOne(stats, timeout_s, "shard")
-        for start in range(0, world, g) if g > 1 else ():
-            ranks = list(range(start, start + g))
-            pg = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                shard = Collectives(pg, stats, timeout_s, "shard")
+        else:
+            for start in range(0, world, g):
+                ranks = list(range(start, start + g))
+                pg = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    shard = Collectives(pg, stats, timeout_s, "shard")
         if g < world:
             for index in range(g):
                 ranks = list(range(index, world, g))
