@@ -247,6 +247,21 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         check_adamw_hyperparameters(params, "optimizer.params")
 
 
+def check_section_name(ds: Mapping[str, Any]) -> None:
+    """A DeepSpeed config without a ``"lowcomm"`` section trains stock DeepSpeed: raise for a
+    top-level key that looks like a misspelt one (``"lowcom"``, ``"low_comm"``, ``"LowComm"``),
+    which DeepSpeed would ignore without a word."""
+    if SECTION in ds:
+        return
+    squash = lambda key: "".join(c for c in str(key).lower() if c.isalnum())  # noqa: E731
+    for key in ds:
+        if squash(key) != SECTION and difflib.SequenceMatcher(None, squash(key), SECTION).ratio() < 0.8:
+            continue
+        raise LowCommConfigError(f"{key}: not a DeepSpeed key, and this config has no {SECTION!r} section, "
+                                 f"so it would train stock DeepSpeed; did you mean {SECTION!r}? Rename the "
+                                 f"key (or remove it)")
+
+
 def parse(ds: Mapping[str, Any], modes: Mapping[str, Any]) -> LowCommConfig:
     """Validate a whole DeepSpeed config dict that has a ``"lowcomm"`` section, given the mode
     registry ``modes`` (handed in, not imported: the modes import this module)."""

@@ -8,7 +8,8 @@ is the only thing that moves gradients or parameters between ranks. It owns:
 - :class:`~ds_lowcomm.shard.flat.GradAccumulator`: the gradient sums (``p.grad`` views of them, or
   filled by post-accumulate hooks);
 - :class:`~ds_lowcomm.comm.topology.Topology`: private shard / replica process groups;
-- :class:`~ds_lowcomm.comm.worker.CommWorker` and :class:`~ds_lowcomm.comm.collectives.CommStats`;
+- :class:`~ds_lowcomm.comm.worker.CommWorker` (asynchronous modes) and
+  :class:`~ds_lowcomm.comm.collectives.CommStats`;
 - the :class:`~ds_lowcomm.modes.Mode`, which owns the optimizer state and schedules rounds.
 
 ``param_groups`` are the caller's dicts (a client optimizer's, or built from the JSON), so learning
@@ -23,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, shard_meta
+from ds_lowcomm.checkpoint.migrate import upgrade_meta
 from ds_lowcomm.comm.collectives import CommStats
 from ds_lowcomm.config import LowCommConfig
 from ds_lowcomm.memory import release_freed_heap
@@ -89,8 +91,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         # On CPU the per-parameter gradients freed after each backward (fp32 sums of a bf16/fp16
         # model) would stay resident (see release_freed_heap). In-place ones are never freed.
         self._trim_heap = self.flat.device.type == "cpu" and not self.grads.in_place
-        self.worker = CommWorker(self.stats, self.flat.device,
-                                 asynchronous=mode_cls.is_asynchronous(config.mode_options))
+        self.worker = (CommWorker(self.stats, self.flat.device) if mode_cls.is_asynchronous(config.mode_options)
+                       else None)
         self.micro_batches = 0
         self.steps = 0
         # lowcomm.pace: by default the fastest rank sets the pace where the mode's rounds can
@@ -113,7 +115,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
         self.mode = mode_cls(ModeContext(
-            flat=self.flat, grads=self.grads, topology=self.topology, worker=self.worker,
+            flat=self.flat, grads=self.grads, topology=self.topology, worker=self.worker, stats=self.stats,
             param_groups=self.param_groups, comm_dtype=comm_dtype, gradient_clipping=self.gradient_clipping,
             gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
             _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
@@ -245,7 +247,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def destroy(self) -> None:
         """Stop the comm worker and remove the gradient hooks (``engine.destroy()`` calls it)."""
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
         self.grads.remove_hooks()
 
     def master_weights(self) -> torch.Tensor:
@@ -256,7 +259,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Bytes and times since the start: per collective, per round, and averages per step.
         ``exposed_comm_s_per_step``: communication training waited for, on the host and (CUDA)
         on the device, the latter as far as its timing events have completed. No communication."""
-        self.worker.count_device_waits()
+        if self.worker is not None:
+            self.worker.count_device_waits()
         out = self.stats.as_dict()
         steps = max(self.steps - self.steps_at_start, 1)  # the counters start with this process
         out.update(steps=self.steps, micro_batches=self.micro_batches, skipped_steps=self.skipped_steps,
@@ -275,21 +279,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """What this rank writes to its own file: its shards of the flat state (any world size
         reads them back), its mode's per-rank state (same layout only), and its loss scaler and
         skip counts (DES-LOC replicas skip on their own verdicts). No communication."""
-        return {"shards": self.mode.sharded_state(), "mode": self.mode.rank_state_dict(),
+        state = self.mode.state()
+        return {"shards": state.sharded, "mode": state.rank,
                 "guard": {"loss_scaler": self._loss_scaler_state(), "skipped_steps": self.skipped_steps,
                           "consecutive_skips": self.consecutive_skips}}
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`rank_state_dict` of the same rank (after :meth:`load_state_dict`)."""
-        if "shards" not in state:  # written before sharded saves: the mode's state alone
-            state = {"mode": state}
-        guard = state.get("guard")
-        if guard is not None:
-            self._load_loss_scaler_state(guard["loss_scaler"])
-            self.skipped_steps = guard["skipped_steps"]
-            self.consecutive_skips = guard["consecutive_skips"]
-        if state["mode"] is not None:
-            self.mode.load_rank_state_dict(state["mode"])
 
     def state_dict(self) -> dict:
         """The optimizer's metadata (DeepSpeed writes rank 0's into its model file): names,
@@ -303,7 +296,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "loss_scaler": self._loss_scaler_state(),
                 "shards": shard_meta(self.flat.layout, self.topology),
-                **self.mode.state_dict()}
+                **self.mode.state().meta}
 
     _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -328,12 +321,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
         :class:`~ds_lowcomm.checkpoint.CheckpointError` for a checkpoint of another model or mode.
         """
         shards = self.checkpoint_shards
+        state_dict = upgrade_meta(state_dict)
         if shards is None:
             raise CheckpointError("ds_lowcomm's optimizer state lives in the checkpoint's rank files: "
                                   "load it with engine.load_checkpoint")
         # (the Checkpointer has checked the model, before DeepSpeed touched anything)
         if not load_optimizer_states:
-            self.mode.load_weights(shards)
+            self.mode.restore(None, shards, None)
             return
         if state_dict["mode"] != self.mode.name:
             raise CheckpointError(f"checkpoint was written in mode {state_dict['mode']!r}, this run "
@@ -346,4 +340,11 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.skipped_steps = state_dict.get("skipped_steps", 0)
         self.consecutive_skips = state_dict.get("consecutive_skips", 0)
         self._load_loss_scaler_state(state_dict.get("loss_scaler"))
-        self.mode.load_state_dict(state_dict, shards)
+        # Saved with this layout: this rank's own file, read as it was written; else None.
+        mine = shards.rank_file(self.topology.rank) if shards.same_layout(self.topology) else None
+        guard = None if mine is None else mine.get("guard")
+        if guard is not None:  # this rank's own verdicts (DES-LOC replicas skip on their own)
+            self._load_loss_scaler_state(guard["loss_scaler"])
+            self.skipped_steps = guard["skipped_steps"]
+            self.consecutive_skips = guard["consecutive_skips"]
+        self.mode.restore(state_dict, shards, None if mine is None else mine["mode"])

@@ -177,39 +177,22 @@ def test_matches_simulation(variant, wait, slow_rank, step_every, balance, estim
     assert not torch.equal(r[0]["live"], r[0]["master"])
 
 
-def _estimate_leaves_no_trace(rank, world, monitor_dir):
-    from ds_lowcomm.shard.step import ShardedStepRound
-
+def _monitored(rank, world, monitor_dir):
     cfg = acco_config()
     cfg["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "acco"}
     engine = workers.build_engine(cfg)
-    for j in range(3 * GAS):
-        x = workers.batch(j, 0, rank)
-        engine.backward(engine(x, labels=x).loss)
-        engine.step()
-    opt = engine.optimizer
-    adamw = opt.mode.adamw
-    opt.settle()
-    before = [t.clone() for t in (adamw.master, adamw.exp_avg, adamw.exp_avg_sq)], adamw.step_count
-    target = torch.zeros_like(opt.flat.buffer)
-    rnd = ShardedStepRound(opt, adamw, opt.grads.buffer.clone(), target, local_count=GAS // 2, estimate=True)
-    rnd.pack()
-    rnd.run()
-    after = [adamw.master, adamw.exp_avg, adamw.exp_avg_sq], adamw.step_count
-    same = all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1] == after[1]
-    moved = (opt.flat.layout.shard(target) - adamw.master).abs().max().item()
-    return same, moved
+    workers.train(engine, 3, rank=rank)
+    return engine.global_steps
 
 
 @pytest.mark.integration
-def test_estimate_leaves_no_trace(tmp_path):
-    for same, moved in run_ranks(_estimate_leaves_no_trace, 2, str(tmp_path)):
-        assert same
-        assert moved > 0  # the estimate is a real step away from the master
-    # Per-step metrics reach DeepSpeed's monitor (here its CSV writer).
+def test_metrics_reach_deepspeeds_monitor(tmp_path):
+    """Per-step metrics reach DeepSpeed's monitor (here its CSV writer). (That
+    an estimate round leaves AdamW's state untouched: tests/test_modes.py.)"""
+    steps = run_ranks(_monitored, 2, str(tmp_path))
     logged = {p.name: p.read_text().splitlines() for p in tmp_path.rglob("*.csv")}
     sent = next(v for k, v in logged.items() if "bytes_sent_per_step" in k)
-    assert len(sent) >= 3 and float(sent[-1].split(",")[1]) > 0
+    assert steps[0] == 3 and len(sent) >= 3 and float(sent[-1].split(",")[1]) > 0
     assert any("micro_batches_per_round" in k for k in logged)
 
 
@@ -230,13 +213,7 @@ def _bf16_model(rank, world, estimate_dtype):
     cfg = acco_config(estimate_dtype=estimate_dtype)
     cfg["bf16"] = {"enabled": True}
     engine = workers.build_engine(cfg)
-    losses = []
-    for j in range(3 * GAS):
-        x = workers.batch(j, 0, rank)
-        loss = engine(x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = workers.micro_batches(engine, 0, 3 * GAS, rank)
     engine.optimizer.settle()
     return losses, workers.params_digest(engine)
 

@@ -318,10 +318,7 @@ PER_RANK = {
 def _save_per_rank(rank, world, save_dir, mode):
     cfg, micro_batches = PER_RANK[mode]
     engine = workers.build_engine(cfg)
-    for j in range(micro_batches):
-        x = workers.batch(j // 2, j % 2, rank)
-        engine.backward(engine(x, labels=x).loss)
-        engine.step()
+    workers.micro_batches(engine, 0, micro_batches, rank)
     engine.save_checkpoint(save_dir)
     return engine.optimizer.flat.layout.numel
 
@@ -334,7 +331,7 @@ def _load_per_rank(rank, world, save_dir, mode):
     if mode == "acco":
         out.update(accumulator=opt.grads.buffer[:numel].clone(), micro_batches=opt.grads.micro_batches)
     elif mode == "demo":
-        out.update(delta=opt.mode.delta.clone())
+        out.update(momentum=opt.mode.shard.momentum.clone())
     else:
         a = opt.mode.adamw
         out.update({k: getattr(a, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}, step=a.step_count,
@@ -364,7 +361,7 @@ def test_per_rank_state_reshards(tmp_path, mode):
                 else:
                     assert got["accumulator"].abs().sum() == 0 and got["micro_batches"] == 0
                 continue
-            keys = ("delta",) if mode == "demo" else ("master", "exp_avg", "exp_avg_sq")
+            keys = ("momentum",) if mode == "demo" else ("master", "exp_avg", "exp_avg_sq")
             for key in keys:  # shard_group_size 1: each saved file holds its replica's whole vector
                 a, b = (s["shards"][key][:numel] for s in saved)
                 assert not torch.equal(a, b), key  # the replicas really differed
@@ -380,9 +377,8 @@ def test_per_rank_state_reshards(tmp_path, mode):
             assert len({got["digest"] for got in loaded}) == 1
 
 
-#: the modes' checkpoint methods: they describe and restore state, and communicate nothing
-STATE_METHODS = ("state_dict", "sharded_state", "rank_state_dict", "load_state_dict", "load_rank_state_dict",
-                 "reshard_rank_state", "load_weights")
+#: the modes' checkpoint contract: they describe and restore state, and communicate nothing
+STATE_METHODS = ("state", "restore")
 QUIET_MODES = {**workers.STEP_MODES, "desloc-mid-period": {"shard_group_size": 1, "desloc": {"param_sync_every": 4}}}
 
 
@@ -392,7 +388,7 @@ def _collectives_in_state_methods(rank, world, tmp):
     checkpoint's): count those issued while a mode's state method runs."""
     from ds_lowcomm.comm.collectives import CommStats
 
-    inside, issued = [0], []
+    inside, issued, calls = [0], [], [0]
     record = CommStats.record
 
     def counting(self, op, *args):
@@ -409,6 +405,7 @@ def _collectives_in_state_methods(rank, world, tmp):
 
             def watched(*args, _method=method, **kwargs):
                 inside[0] += 1
+                calls[0] += 1
                 try:
                     return _method(*args, **kwargs)
                 finally:
@@ -431,8 +428,9 @@ def _collectives_in_state_methods(rank, world, tmp):
         weights.load_checkpoint(f"{tmp}/{label}", load_optimizer_states=False)
         for e in (engine, fresh, weights):
             e.destroy()
-        out[label] = (list(issued), restored)
+        out[label] = (list(issued), restored, calls[0])
         issued.clear()
+        calls[0] = 0
     return out
 
 
@@ -441,6 +439,7 @@ def test_mode_state_methods_communicate_nothing(tmp_path):
     once before each), and each rank's parameters come back as they were: DES-LOC's replica its
     own mid-period, from its files."""
     for res in run_ranks(_collectives_in_state_methods, 2, str(tmp_path), timeout=600):
-        for label, (issued, restored) in res.items():
+        for label, (issued, restored, calls) in res.items():
+            assert calls >= 4, (label, calls)  # state at the save; restore at each load
             assert issued == [], (label, issued)
             assert restored, label

@@ -192,7 +192,24 @@ def test_initialize_rejects_before_touching_distributed():
         deepspeed.initialize(model=tiny_gpt2(), config=variant(_set(("lowcomm", "max_consecutive_skips"), 0)))
     with pytest.raises(LowCommConfigError, match=r"^optimizer: missing"):
         deepspeed.initialize(model=tiny_gpt2(), config=variant(_del("optimizer")))
+    misspelt = copy.deepcopy(GOOD)
+    misspelt["lowcom"] = misspelt.pop("lowcomm")  # DeepSpeed alone would ignore it and train stock
+    with pytest.raises(LowCommConfigError, match=r"^lowcom: not a DeepSpeed key.*did you mean 'lowcomm'"):
+        deepspeed.initialize(model=tiny_gpt2(), config=misspelt)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("key", ["lowcom", "low_comm", "LowComm", "low-comm", "lowcomms"])
+@pytest.mark.unit
+def test_a_misspelt_section_is_refused(key):
+    """A near miss of the "lowcomm" section would train stock DeepSpeed, exit 0: refused instead."""
+    from ds_lowcomm.config import check_section_name
+
+    with pytest.raises(LowCommConfigError, match=f"^{key}: .*did you mean 'lowcomm'"):
+        check_section_name({"train_micro_batch_size_per_gpu": 2, key: {"mode": "zero1"}})
+    check_section_name({"train_micro_batch_size_per_gpu": 2, "lowcomm": {}, key: {}})  # a section is there
+    check_section_name({"train_micro_batch_size_per_gpu": 2, "communication_data_type": "fp32",
+                        "comms_logger": {}, "flops_profiler": {}})  # DeepSpeed's own keys
 
 
 def _init_error(rank, world, lowcomm):

@@ -34,9 +34,11 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y) / GAS
 
 
-def _train(rank, world, lowcomm, clip=0.0):
+def _train(rank, world, lowcomm, clip=0.0, record="params"):
     """STEPS steps of the mode from ``lowcomm`` (a "lowcomm" JSON section) through a ModeContext
-    built here as the optimizer builds it; returns the model's parameters, flat, after each step."""
+    built here as the optimizer builds it; returns, flat, after each step, the model's parameters
+    (after a flush) or, ``record="master"``, the mode's fp32 master (acco: a flush would move the
+    model off the estimate the next micro-batch is computed at)."""
     from ds_lowcomm.comm.collectives import CommStats
     from ds_lowcomm.comm.topology import Topology
     from ds_lowcomm.comm.worker import CommWorker
@@ -55,9 +57,9 @@ def _train(rank, world, lowcomm, clip=0.0):
     flat = FlatParams(groups, topo.shard.world, topo.shard.rank)
     grads = GradAccumulator(flat)
     mode_cls = MODES[cfg.mode]
-    worker = CommWorker(stats, flat.device, asynchronous=mode_cls.is_asynchronous(cfg.mode_options))
+    worker = CommWorker(stats, flat.device) if mode_cls.is_asynchronous(cfg.mode_options) else None
     steps = [0]
-    ctx = ModeContext(flat=flat, grads=grads, topology=topo, worker=worker, param_groups=groups,
+    ctx = ModeContext(flat=flat, grads=grads, topology=topo, worker=worker, stats=stats, param_groups=groups,
                       comm_dtype=torch.float32, gradient_clipping=clip, gradient_accumulation_steps=GAS,
                       checkpoint_comm=topo.shard.counted_in(CommStats()), _loss_scale=lambda: 1.0,
                       _steps=lambda: steps[0], step_taken=lambda: steps.__setitem__(0, steps[0] + 1),
@@ -74,9 +76,13 @@ def _train(rank, world, lowcomm, clip=0.0):
             grads.count(True, 1.0)
             mode.on_micro_batch_end(boundary)
         mode.step()
-        mode.flush()
-        after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
-    worker.close()
+        if record == "master":
+            after.append(mode.master_weights())
+        else:
+            mode.flush()
+            after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    if worker is not None:
+        worker.close()
     torch.distributed.destroy_process_group()
     return {"after": after, "steps": steps[0], "bytes": stats.as_dict()["ops"]}
 
@@ -86,6 +92,13 @@ def _grad(model, rank, t):
     model.zero_grad(set_to_none=True)
     for m in range(GAS):
         _loss(model, *_data(rank, t, m)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _micro_grad(model, rank, t, m):
+    """The gradient of micro-batch ``m`` of step ``t`` on ``rank`` at ``model``'s parameters."""
+    model.zero_grad(set_to_none=True)
+    _loss(model, *_data(rank, t, m)).backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -117,6 +130,38 @@ def test_zero1_is_adamw_on_the_mean_gradient():
             torch.testing.assert_close(res["after"][t], _flat(ref), rtol=1e-6, atol=1e-7)
     assert any(clipped) and not all(clipped), clipped  # both branches taken
     assert all(res["steps"] == STEPS for res in results)
+
+
+def test_acco_is_adamw_with_an_estimate_step():
+    """ACCO (Nabli et al., Algorithm 1) with GAS 2 on 2 ranks, waiting for each round: the first
+    micro-batch of step t is computed at the estimate θ̃(t), AdamW from θ(t−1) and its state on the
+    first half's gradient with the state left as it was; the second at θ(t); the real step is
+    AdamW on the mean of all four micro-batches' gradients."""
+    import copy
+
+    results = run_ranks(_train, 2, {"mode": "acco", "acco": {"accumulate_while_waiting": False,
+                                                             "estimate_dtype": "fp32", "real_gather_dtype": "fp32"}},
+                        0.0, "master")
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    estimate = copy.deepcopy(ref)  # θ̃(0) = θ(0)
+    for t in range(STEPS):
+        first = [_micro_grad(estimate, r, t, 0) for r in range(2)]
+        second = [_micro_grad(ref, r, t, 1) for r in range(2)]
+        # the estimate: one AdamW step from θ(t) on the first half (the sum over ranks of the
+        # losses / GAS: their mean per micro-batch), on a copy of the state
+        estimate = copy.deepcopy(ref)
+        ahead = torch.optim.AdamW(estimate.parameters(), **HP)
+        ahead.load_state_dict(copy.deepcopy(opt.state_dict()))
+        for p, a, b in zip(estimate.parameters(), *first):
+            p.grad = a + b
+        ahead.step()
+        for p, a, b, c, d in zip(ref.parameters(), *first, *second):
+            p.grad = (a + b + c + d) * 0.5
+        opt.step()
+        for res in results:
+            torch.testing.assert_close(res["after"][t], _flat(ref), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(_flat(estimate), _flat(ref))  # the estimate is a real step ahead
 
 
 def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0):

@@ -35,7 +35,8 @@ def _shard_state(engine) -> dict:
         a = mode.adamw
         return {"master": a.master.clone(), "exp_avg": a.exp_avg.clone(), "exp_avg_sq": a.exp_avg_sq.clone(),
                 "step": a.step_count}
-    return {"master": mode.master.clone(), "delta": mode.delta.clone(), "step": mode.step_count}
+    s = mode.shard  # demo
+    return {"master": s.master.clone(), "momentum": s.momentum.clone(), "step": s.step_count}
 
 
 def _run(cfg, rank, poison=None, skip=(), steps=STEPS, scales=None, norms=None, poison_last_param=None):

@@ -53,15 +53,7 @@ CASES = {
 
 
 def _run(engine, rank, start, stop, losses, poison=None):
-    gas = engine.gradient_accumulation_steps()
-    for j in range(start, stop):
-        x = workers.batch(j // gas, j % gas, rank)
-        loss = engine(x, labels=x).loss
-        if poison is not None and j in poison:
-            loss = loss * poison[j]
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses.extend(workers.micro_batches(engine, start, stop, rank, poison))
 
 
 def _straight_vs_resumed(rank, world, save_dir, case):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import workers
+from dist import run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -177,3 +178,43 @@ def test_ddp_peer_trains_like_stock_deepspeed(tmp_path):
     # PowerSGD: the two warm-up steps all-reduce exactly, then compression changes the update.
     assert losses(psgd_rec)[:3] == pytest.approx(losses(ddp_rec)[:3], rel=1e-5, abs=1e-6)
     assert abs(psgd["val_loss"] - ddp["val_loss"]) > 1e-6 and math.isfinite(psgd["val_loss"])
+
+
+def _files_on_the_way_to_the_wire(rank, world):
+    """examples/train.py's ``main`` in this process, the shard group's reduce-scatter recording
+    the project files on the call stack each time it is issued."""
+    import traceback
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+    import ds_lowcomm
+    from ds_lowcomm.comm.collectives import Collectives
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(ds_lowcomm.__file__)))
+    ours = {str(ROOT / "examples"): str(ROOT), os.path.join(package, "ds_lowcomm"): package}
+    stacks, issue = [], Collectives.reduce_scatter
+
+    def recording(self, *args, **kwargs):
+        files = set()
+        for frame in traceback.extract_stack()[:-1]:
+            for top, base in ours.items():
+                if frame.filename.startswith(top + os.sep):
+                    files.add(os.path.relpath(frame.filename, base))
+        stacks.append(sorted(files | {"ds_lowcomm/comm/collectives.py"}))  # where the wire is
+        return issue(self, *args, **kwargs)
+
+    Collectives.reduce_scatter = recording
+    train.main(["--deepspeed", str(ROOT / "ds_configs" / "zero1.json"), *SMALL, "--max-steps", "2"])
+    return stacks
+
+
+def test_a_zero1_step_reaches_the_wire_through_six_files():
+    """From examples/train.py to the gradient's reduce-scatter, a zero1 step's call stack holds at
+    most six project files (today five: the script, the optimizer, the mode, the sharded step and
+    the collectives; DeepSpeed's engine calls the optimizer), and no comm worker: the
+    synchronous round is run on the training thread by ``step_now``."""
+    for stacks in run_ranks(_files_on_the_way_to_the_wire, 2):
+        assert len(stacks) == 2  # one reduce-scatter per step
+        for files in stacks:
+            assert "examples/train.py" in files and len(files) <= 6, files
+            assert "ds_lowcomm/comm/worker.py" not in files, files  # a synchronous round runs inline

@@ -90,7 +90,7 @@ def test_cuda_round_protocol(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "stream", stream_context)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: _log("set_device", str(d)))
-    worker = CommWorker(CommStats(), torch.device("cuda", 0), asynchronous=True)
+    worker = CommWorker(CommStats(), torch.device("cuda", 0))
     ticket = worker.submit(Recorded())
     ready, done = ticket.ready_event.name, ticket.done_event.name
     # recorded on the submitting thread, on the training stream, before submit returned
@@ -134,7 +134,7 @@ def test_cuda_wait_is_timed_on_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream_context)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     stats = CommStats()
-    worker = CommWorker(stats, torch.device("cuda", 0), asynchronous=True)
+    worker = CommWorker(stats, torch.device("cuda", 0))
     waits = []
     for ms in (250.0, 40.0):
         ticket = worker.submit(Recorded())

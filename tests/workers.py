@@ -96,30 +96,40 @@ def params_digest(engine) -> str:
     return h.hexdigest()
 
 
+def micro_batches(engine, start: int, stop: int, rank: int = 0, poison: Optional[dict] = None) -> List[float]:
+    """Micro-batches ``start`` to ``stop - 1`` of the DeepSpeed loop (forward, backward and
+    ``engine.step()`` each; micro-batch ``j`` is ``batch(j // GAS, j % GAS, rank)``), the one
+    micro-batch loop of the tests that drive an engine the way DeepSpeed scripts do. Returns each
+    loss. ``poison``: ``{j: factor}``, micro-batch ``j``'s loss multiplied by ``factor`` before
+    its backward pass (``nan``, ``inf``, or a huge number for an fp16 overflow)."""
+    gas, mbs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for j in range(start, stop):
+        x = batch(j // gas, j % gas, rank, mbs).to(engine.device)
+        loss = engine(x, labels=x).loss
+        if poison and j in poison:
+            loss = loss * poison[j]
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train(engine, steps: int, start: int = 0, rank: int = 0, digests: Optional[list] = None,
           poison: Optional[dict] = None, skip: Iterable[int] = ()) -> List[float]:
-    """``steps`` optimizer steps (DeepSpeed loop: backward and step every micro-batch).
+    """``steps`` optimizer steps of :func:`micro_batches` from step ``start``.
 
     Returns the mean loss per step on this rank; appends a parameter digest after each step.
-    ``poison``: ``{(step, micro): factor}``, this rank's loss of that micro-batch is multiplied by
-    ``factor`` before the backward pass (``nan``, ``inf``, or a huge number for an fp16 overflow).
-    ``skip``: data steps left out altogether (the reference "never saw that step").
+    ``poison``: ``{(step, micro): factor}`` (see :func:`micro_batches`). ``skip``: data steps left
+    out altogether (the reference "never saw that step").
     """
     gas = engine.gradient_accumulation_steps()
+    poison = {step * gas + micro: f for (step, micro), f in (poison or {}).items()}
     losses = []
     for step in range(start, start + steps):
         if step in skip:
             continue
-        total = 0.0
-        for micro in range(gas):
-            x = batch(step, micro, rank, engine.train_micro_batch_size_per_gpu()).to(engine.device)
-            loss = engine(x, labels=x).loss
-            if poison and (step, micro) in poison:
-                loss = loss * poison[(step, micro)]
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / gas
-        losses.append(total)
+        losses.append(sum(loss / gas for loss in micro_batches(engine, step * gas, (step + 1) * gas, rank, poison)))
         if digests is not None:
             digests.append(params_digest(engine))
     return losses

@@ -30,17 +30,18 @@ ZeRO; as safetensors (what Hugging Face's ``from_pretrained`` reads) when the ou
 The component, one file per concern: :mod:`~ds_lowcomm.checkpoint.files` (atomic writes,
 manifest, safe reads), :mod:`~ds_lowcomm.checkpoint.shards` (the cut and :class:`ShardReader`),
 :mod:`~ds_lowcomm.checkpoint.checkpointer` (the order of a save and a load, which the engine
-delegates to), :mod:`~ds_lowcomm.checkpoint.export`.
+delegates to), :mod:`~ds_lowcomm.checkpoint.migrate` (earlier versions' checkpoints brought to the
+current format, in one place), :mod:`~ds_lowcomm.checkpoint.export`.
 """
 from ds_lowcomm.checkpoint.checkpointer import Checkpointer
 from ds_lowcomm.checkpoint.export import export_fp32
 from ds_lowcomm.checkpoint.files import (FORMAT, LEGACY_FORMAT, MANIFEST, MODEL_FILE, CheckpointError, atomic_save,
                                          atomic_write_text, file_record, rank_file_name, resolve_tag, safe_load,
                                          verify_files, write_manifest)
-from ds_lowcomm.checkpoint.shards import (LegacyReader, ShardReader, check_rank_layout, check_same_model,
-                                          rank_layout, reader_for, shard_meta)
+from ds_lowcomm.checkpoint.migrate import LegacyReader, reader_for
+from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model, shard_meta
 
 __all__ = ["Checkpointer", "CheckpointError", "ShardReader", "LegacyReader", "export_fp32", "reader_for",
-           "shard_meta", "rank_layout", "check_rank_layout", "check_same_model", "safe_load", "verify_files",
+           "shard_meta", "check_same_model", "safe_load", "verify_files",
            "atomic_save", "atomic_write_text", "file_record", "write_manifest", "rank_file_name", "resolve_tag",
            "FORMAT", "LEGACY_FORMAT", "MANIFEST", "MODEL_FILE"]

@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,8 @@ import torch.distributed as dist
 from ds_lowcomm.checkpoint.files import (MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
                                          file_record, fsync_parent_dir, rank_file_name, resolve_tag, safe_load, verify_files,
                                          write_manifest)
-from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model, reader_for
+from ds_lowcomm.checkpoint.migrate import check_loadable, reader_for
+from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model
 
 #: a save of a tag that exists is written beside it under this suffix, then swapped in
 STAGING = ".saving"
@@ -82,16 +83,6 @@ def _snapshot(obj: Any) -> Any:
     return obj
 
 
-class CheckpointedMode(Protocol):
-    """What the Checkpointer reads of a mode (:class:`~ds_lowcomm.modes.base.Mode`)."""
-
-    #: its per-rank state needs the layout it was saved with (else :meth:`reshard_rank_state`)
-    has_rank_state: bool
-
-    def reshard_rank_state(self, shards: ShardReader) -> None:
-        """Rebuild per-rank state saved at another layout, from the files. No communication."""
-
-
 class Checkpointed(Protocol):
     """What the Checkpointer uses of the optimizer it saves and loads
     (:class:`~ds_lowcomm.optimizer.LowCommOptimizer`); no member is called with communication."""
@@ -100,18 +91,15 @@ class Checkpointed(Protocol):
     param_names: List[List[str]]
     flat: Any  # FlatParams: ``params`` (shapes) and ``layout`` (this rank's shard range)
     topology: Any  # Topology: world size and shard group size, for a checkpoint's layout
-    mode: CheckpointedMode
-    #: set around DeepSpeed's load: where :meth:`load_state_dict` reads the flat state
+    #: set around DeepSpeed's load: where :meth:`load_state_dict` reads the flat state and, saved
+    #: with this layout, this rank's own file
     checkpoint_shards: Optional[ShardReader]
 
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
-        """Restore the metadata, and the flat state from ``checkpoint_shards``."""
+        """Restore the metadata, and the rest from ``checkpoint_shards``."""
 
     def rank_state_dict(self) -> dict:
         """What this rank writes to its own file."""
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`rank_state_dict` of the same rank, saved with this layout."""
 
 
 class Checkpointer:
@@ -241,8 +229,8 @@ class Checkpointer:
     def load(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
              deepspeed_load: Callable[[str], Any]) -> Any:
         """Check and read this rank's files (one verdict for every rank), then
-        ``deepspeed_load(tag)`` (which calls ``optimizer.load_state_dict``, reading the flat state
-        through ``optimizer.checkpoint_shards``), then this rank's per-rank state. Raises
+        ``deepspeed_load(tag)`` (which calls ``optimizer.load_state_dict``, reading the state
+        through ``optimizer.checkpoint_shards``). Raises
         :class:`CheckpointError` naming the file on every rank when any rank's files are bad.
         Background saves of this process are waited for first (one that failed left ``latest``
         on the previous checkpoint, which is what loads)."""
@@ -253,7 +241,7 @@ class Checkpointer:
                 logger.warning(f"ds_lowcomm: {tag!r} was being re-saved when the run stopped; loading its "
                                f"previous content, {tag + REPLACED!r}")
                 tag += REPLACED
-            shards, rank_state = self._read(os.path.join(load_dir, str(tag)), load_optimizer_states)
+            shards = self._read(os.path.join(load_dir, str(tag)), load_optimizer_states)
             error = None
         except CheckpointError as err:
             error = str(err)
@@ -274,16 +262,12 @@ class Checkpointer:
                 opt.load_state_dict(shards.saved_meta, load_optimizer_states=False)
         finally:
             opt.checkpoint_shards = None
-        if rank_state is not None:
-            opt.load_rank_state_dict(rank_state)
-        elif load_optimizer_states and opt.mode.has_rank_state:
-            opt.mode.reshard_rank_state(shards)  # saved at another layout
         return out
 
-    def _read(self, tag_dir: str, load_optimizer_states: bool) -> Tuple[ShardReader, Optional[dict]]:
+    def _read(self, tag_dir: str, load_optimizer_states: bool) -> ShardReader:
         """This rank's checks and safe reads, before DeepSpeed touches anything: returns the
-        reader of the flat state (the files of this rank's new shard already checked against the
-        manifest) and this rank's own file, when its mode keeps per-rank state (else None)."""
+        reader of the checkpoint's state, the files of this rank's new shard checked against the
+        manifest, and, saved with this layout, this rank's own file checked and read."""
         path = os.path.join(tag_dir, MODEL_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
@@ -294,19 +278,16 @@ class Checkpointer:
         if not isinstance(saved, dict):
             raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
         check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
+        check_loadable(saved, load_optimizer_states)
         shards = reader_for(tag_dir, saved)
-        # Per-rank state saved with this layout: this rank's own file; else the mode reshards it.
-        needs_rank_state = (load_optimizer_states and opt.mode.has_rank_state
-                            and shards.same_layout(opt.topology))
-        rank_name = rank_file_name(self.rank)
-        rank_path = os.path.join(tag_dir, rank_name)
-        if needs_rank_state and not os.path.isfile(rank_path):
-            raise CheckpointError(
-                f"{rank_path!r} does not exist: this mode keeps per-rank state and the checkpoint has "
-                f"none for rank {self.rank} (saved with fewer ranks, or by another mode?); "
-                f"load with load_optimizer_states=False to take the weights only")
         layout = opt.flat.layout
-        shards.verify(shards.files_for(layout.shard_start, layout.shard_size)
-                      + ([rank_name] if needs_rank_state else []))
-        return shards, (safe_load(rank_path, map_location=self.device) if needs_rank_state else None)
-
+        shards.verify(shards.files_for(layout.shard_start, layout.shard_size))
+        if load_optimizer_states and shards.same_layout(opt.topology):
+            for name in shards.own_files(self.rank):
+                if not os.path.isfile(os.path.join(tag_dir, name)):
+                    raise CheckpointError(
+                        f"{os.path.join(tag_dir, name)!r} does not exist: the checkpoint has no file for rank "
+                        f"{self.rank} (saved with fewer ranks?); load with load_optimizer_states=False to "
+                        f"take the weights only")
+            shards.rank_file(self.rank)  # read now, so a bad file is every rank's verdict
+        return shards

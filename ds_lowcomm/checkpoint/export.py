@@ -11,7 +11,7 @@ import torch
 
 from ds_lowcomm.checkpoint.files import (FORMAT, LEGACY_FORMAT, MODEL_FILE, CheckpointError, resolve_tag,
                                          safe_load, verify_files)
-from ds_lowcomm.checkpoint.shards import reader_for
+from ds_lowcomm.checkpoint.migrate import reader_for
 
 
 def export_fp32(load_dir: str, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ size and ``shard_group_size``.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -47,11 +47,15 @@ class ShardReader:
     state loads into any layout. Elements past the real ones (padding) read as zeros.
     """
 
-    def __init__(self, tag_dir: str, meta: dict, replica: int = 0, verified: Optional[set] = None) -> None:
+    def __init__(self, tag_dir: str, meta: dict, replica: int = 0, verified: Optional[set] = None,
+                 upgrade: Callable[[dict, dict], dict] = lambda state, saved_meta: state) -> None:
         self.tag_dir, self.meta, self.replica = tag_dir, meta, replica
+        #: ``upgrade(rank file, saved_meta)``: a rank file in the current format
+        #: (:func:`ds_lowcomm.checkpoint.migrate.reader_for` passes it)
+        self.upgrade = upgrade
         #: the optimizer metadata from the model file this state belongs to
         self.saved_meta: Optional[dict] = None
-        self._cache: Dict[int, dict] = {}
+        self._cache: Dict[int, dict] = {}  # rank files read so far
         self.verified = set() if verified is None else verified  # file names checked against the manifest
 
     def verify(self, names: Iterable[str]) -> None:
@@ -68,9 +72,13 @@ class ShardReader:
 
     def of_replica(self, replica: int) -> "ShardReader":
         """The same state as held by replica ``replica`` (per-replica state, same layout only)."""
-        other = ShardReader(self.tag_dir, self.meta, replica, self.verified)
-        other.saved_meta = self.saved_meta
+        other = ShardReader(self.tag_dir, self.meta, replica, self.verified, self.upgrade)
+        other.saved_meta, other._cache = self.saved_meta, self._cache
         return other
+
+    def own_files(self, rank: int) -> List[str]:
+        """The file rank ``rank`` saved, which a resume at the same layout reads as its own."""
+        return [rank_file_name(rank)]
 
     def files_for(self, start: int, length: int) -> List[str]:
         """The rank files :meth:`read` opens for elements ``[start, start + length)``."""
@@ -99,25 +107,34 @@ class ShardReader:
             out.add_(self.of_replica(r).read(key, start, length, like))
         return out.div_(self.num_replicas)
 
-    def rank_state(self, rank: int) -> dict:
-        """The per-rank part (the mode's :meth:`~ds_lowcomm.modes.base.Mode.rank_state_dict`)
-        of saved rank ``rank``'s file, checked against the manifest and read ``weights_only``."""
-        self.verify([rank_file_name(rank)])
-        path = os.path.join(self.tag_dir, rank_file_name(rank))
-        state = safe_load(path, mmap=True).get("mode")
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{path!r} holds no per-rank state: it was saved by another mode")
-        return state
-
-    def _shards(self, rank: int) -> dict:
+    def rank_file(self, rank: int) -> dict:
+        """Saved rank ``rank``'s file, checked against the manifest, read memory-mapped and
+        ``weights_only``, in the current format (:attr:`upgrade`):
+        ``"shards"``, ``"mode"`` (the mode's per-rank part, or None) and ``"guard"``."""
         if rank not in self._cache:
             self.verify([rank_file_name(rank)])
             path = os.path.join(self.tag_dir, rank_file_name(rank))
-            shards = safe_load(path, mmap=True).get("shards")
-            if not isinstance(shards, dict):
-                raise CheckpointError(f"{path!r} holds no shards: it was not written by this ds_lowcomm")
-            self._cache[rank] = shards
+            state = safe_load(path, mmap=True)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path!r} holds no rank state: it was not written by ds_lowcomm")
+            self._cache[rank] = self.upgrade(state, self.saved_meta)
         return self._cache[rank]
+
+    def rank_state(self, rank: int) -> dict:
+        """The mode's per-rank part (:attr:`~ds_lowcomm.modes.base.ModeState.rank`) of saved rank
+        ``rank``'s file."""
+        state = self.rank_file(rank).get("mode")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{os.path.join(self.tag_dir, rank_file_name(rank))!r} holds no per-rank "
+                                  f"state: it was saved by another mode")
+        return state
+
+    def _shards(self, rank: int) -> dict:
+        shards = self.rank_file(rank).get("shards")
+        if not isinstance(shards, dict):
+            raise CheckpointError(f"{os.path.join(self.tag_dir, rank_file_name(rank))!r} holds no shards: it "
+                                  f"was not written by this ds_lowcomm")
+        return shards
 
     def read(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
         """Elements ``[start, start + length)`` of flat tensor ``key``, as ``like``'s dtype/device."""
@@ -141,71 +158,3 @@ class ShardReader:
     def full(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """All real elements of ``key`` (unpadded)."""
         return self.read(key, 0, self.meta["numel"], like)
-
-
-class LegacyReader(ShardReader):
-    """The same reads from a :data:`LEGACY_FORMAT` checkpoint, whose model file holds the state
-    gathered into full tensors (``key`` → ``saved[key]``, or acco's pending parameters)."""
-
-    def __init__(self, saved: dict) -> None:
-        self.saved_meta = saved
-        self.meta = {"numel": saved["master"].numel()}
-
-    def verify(self, names: Iterable[str]) -> None:
-        pass  # the state is in the model file, verified before it was read
-
-    def of_replica(self, replica: int) -> "ShardReader":
-        return self  # replica 0's: per-replica state comes with the rank files
-
-    def keys(self) -> List[str]:
-        return [k for k, v in self.saved_meta.items() if isinstance(v, torch.Tensor)]
-
-    def same_layout(self, topology) -> bool:
-        return True  # per-rank state in this format comes with the rank files, checked there
-
-    @property
-    def num_replicas(self) -> int:
-        return 1
-
-    def files_for(self, start: int, length: int) -> List[str]:
-        return []
-
-    def read(self, key: str, start: int, length: int, like: torch.Tensor) -> torch.Tensor:
-        full = self.saved_meta.get(key)
-        if key == "pending_params":
-            full = self.saved_meta["acco"]["pending"]["params"]
-        if full is None:
-            raise CheckpointError(f"this {LEGACY_FORMAT} checkpoint has no {key!r}")
-        out = torch.zeros(length, dtype=like.dtype, device=like.device)
-        end = min(start + length, full.numel())
-        if end > start:
-            out[: end - start].copy_(full[start:end])
-        return out
-
-
-def reader_for(tag_dir: str, saved: dict) -> ShardReader:
-    """The reader of a checkpoint's flat state, given the optimizer metadata of its model file."""
-    if saved.get("format") == LEGACY_FORMAT:
-        return LegacyReader(saved)
-    reader = ShardReader(tag_dir, saved["shards"])
-    reader.saved_meta = saved
-    return reader
-
-
-def rank_layout(topology) -> dict:
-    """What per-rank state depends on: saved with it, checked by :func:`check_rank_layout`."""
-    return {"world_size": topology.world_size, "shard_group_size": topology.shard_group_size}
-
-
-def check_rank_layout(saved: dict, topology, holds: str) -> None:
-    """Raise :class:`CheckpointError` unless per-rank state was saved with this run's layout."""
-    now = rank_layout(topology)
-    then = {k: saved.get(k) for k in now}
-    if then != now:
-        raise CheckpointError(
-            f"this checkpoint holds {holds} for {then['world_size']} ranks in shard groups of "
-            f"{then['shard_group_size']}; this run has {now['world_size']} ranks in groups of "
-            f"{now['shard_group_size']}. Resume with the same layout, or load with "
-            f"load_optimizer_states=False to keep only the weights")
-
-

@@ -62,7 +62,7 @@ class CommStats:
 
     def __init__(self) -> None:
         self.ops: Dict[str, OpStats] = defaultdict(OpStats)
-        #: the training thread blocked on the host for a round (inline rounds: all of their time)
+        #: the training thread blocked on the host for a round (a synchronous round: all of its time)
         self.host_wait_seconds = 0.0
         #: the training stream held by a round still running on the side stream (CUDA only; timed
         #: by events around the stream's wait, counted once they have completed)

@@ -5,12 +5,14 @@ A round moves through three calls, on two threads::
     pack()     training thread, at a gradient-accumulation boundary: take what the round sends
                (hand over a buffer, or copy it when accumulation must go on on top of it) and the
                hyperparameters in force now
-    run()      communication worker: the collectives and the sharded optimizer step; writes the
-               next parameters where install() will find them
+    run()      the comm worker's thread (or the training thread, for a synchronous mode): the
+               collectives and the sharded optimizer step; writes the next parameters where
+               install() will find them
     install()  training thread, at a later boundary (or at once for a synchronous mode): make the
                round's result the model's parameters
 
-``zero1`` runs the three back to back; ``acco`` overlaps ``run()`` with the next micro-batches.
+``zero1`` runs the three back to back (``ds_lowcomm.shard.step.step_now``); ``acco`` overlaps
+``run()`` with the next micro-batches.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ class Round(abc.ABC):
 
     @abc.abstractmethod
     def run(self) -> None:
-        """Communication worker: issue the collectives and compute the result."""
+        """Issue the collectives and compute the result (on the comm worker's thread when the mode
+        is asynchronous)."""
 
     @abc.abstractmethod
     def install(self) -> None:

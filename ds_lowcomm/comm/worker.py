@@ -1,21 +1,17 @@
-"""CommWorker: where rounds run, the only issuer of collectives during training.
+"""CommWorker: the thread an asynchronous mode's rounds run on (a synchronous mode runs its round
+on the training thread, :func:`ds_lowcomm.shard.step.step_now`).
 
 ``submit(round)`` returns a :class:`Ticket`, a :class:`concurrent.futures.Future` resolved when
-the round's ``run()`` is over; ``poll``/``wait`` ask it (and order CUDA streams). Two ways of
-running:
-
-- inline (synchronous modes): ``run()`` executes inside ``submit`` on the training thread, all of
-  its time is exposed;
-- asynchronous: one host thread executes rounds in submission order, so every rank issues the same
-  collectives in the same order whatever its own timing. On CUDA the thread works on a side stream
-  that first waits for an event recorded on the training stream at submit time (the round's inputs
-  are ready), and records a done event once the round is enqueued. The host never waits for the
-  GPU here: the ticket resolves when the round has been *enqueued* (``run()`` returned on the
-  host), :meth:`CommWorker.poll` asks the done event whether the GPU has finished it, and
-  :meth:`CommWorker.wait` makes the training stream wait on the event (kernels queued after it
-  run after the round; the host goes on queueing). Buffers are allocated once by the mode and
-  reused, so no ``record_stream`` is needed. On CPU the thread blocks in gloo, which releases the
-  GIL, while the training thread computes.
+the round's ``run()`` is over; ``poll``/``wait`` ask it (and order CUDA streams). One host thread
+executes rounds in submission order, so every rank issues the same collectives in the same order
+whatever its own timing. On CUDA the thread works on a side stream that first waits for an event
+recorded on the training stream at submit time (the round's inputs are ready), and records a done
+event once the round is enqueued. The host never waits for the GPU here: the ticket resolves when
+the round has been *enqueued* (``run()`` returned on the host), :meth:`CommWorker.poll` asks the
+done event whether the GPU has finished it, and :meth:`CommWorker.wait` makes the training stream
+wait on the event (kernels queued after it run after the round; the host goes on queueing).
+Buffers are allocated once by the mode and reused, so no ``record_stream`` is needed. On CPU the
+thread blocks in gloo, which releases the GIL, while the training thread computes.
 
 Stats: ``round_seconds`` (host time in ``run()``: on CPU the communication; on CUDA its enqueueing
 and any host read the round makes), ``host_wait_seconds`` (training thread blocked) and, on CUDA,
@@ -58,30 +54,22 @@ class Ticket(Future):
 
 
 class CommWorker:
-    """Runs rounds inline, or on one background thread (``asynchronous=True``)."""
+    """Runs rounds on one background thread, in submission order."""
 
-    def __init__(self, stats: CommStats, device: torch.device, asynchronous: bool = False) -> None:
+    def __init__(self, stats: CommStats, device: torch.device) -> None:
         self.stats = stats
-        self.asynchronous = asynchronous
         self.cuda = device.type == "cuda"
         self.device = device
         self._queue: "queue.Queue[Optional[Ticket]]" = queue.Queue()
         self._device_waits: "list[tuple]" = []  # (before, after) timing events not yet read
-        self._thread: Optional[threading.Thread] = None
-        if asynchronous:
-            self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-            self._thread = threading.Thread(target=self._loop, name="ds_lowcomm-comm", daemon=True)
-            self._thread.start()
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._thread: Optional[threading.Thread] = threading.Thread(target=self._loop, name="ds_lowcomm-comm",
+                                                                    daemon=True)
+        self._thread.start()
 
     def submit(self, rnd: Round) -> Ticket:
-        """Start ``rnd.run()``. Call ``rnd.pack()`` first. Inline: returns when it is done."""
+        """Queue ``rnd.run()`` for the thread. Call ``rnd.pack()`` first. Never blocks."""
         ticket = Ticket(rnd)
-        if not self.asynchronous:
-            t0 = time.perf_counter()
-            self._execute(ticket)
-            self.stats.host_wait_seconds += time.perf_counter() - t0
-            ticket.result()  # raises the round's error
-            return ticket
         if self.cuda:
             ticket.ready_event = torch.cuda.Event()
             ticket.ready_event.record()

@@ -1,7 +1,7 @@
 """``deepspeed.initialize`` with ds_lowcomm: the entry point, explicit or patched in.
 
 ``import ds_lowcomm`` replaces ``deepspeed.initialize`` with :func:`initialize`; a config without a
-``"lowcomm"`` section goes to DeepSpeed untouched. Accelerate and the Hugging Face Trainer look
+``"lowcomm"`` section goes to DeepSpeed untouched, unless a key looks like a misspelt one (an error). Accelerate and the Hugging Face Trainer look
 ``deepspeed.initialize`` up at call time (accelerate 1.15 ``_prepare_deepspeed``), so they pick it up.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import timedelta
 import deepspeed
 import torch
 
-from ds_lowcomm.config import SECTION, LowCommConfigError, parse
+from ds_lowcomm.config import SECTION, LowCommConfigError, check_section_name, parse
 from ds_lowcomm.modes import MODES
 
 _original_initialize = deepspeed.initialize
@@ -54,6 +54,8 @@ def initialize(*args, **kwargs):
     """
     bound = inspect.signature(_original_initialize).bind(*args, **kwargs)
     ds_config = _resolve_config(bound)
+    if ds_config is not None:
+        check_section_name(ds_config)
     if ds_config is None or SECTION not in ds_config:
         return _original_initialize(*args, **kwargs)
     cfg = parse(ds_config, MODES)

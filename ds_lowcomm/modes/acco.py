@@ -63,15 +63,15 @@ from typing import Deque, List, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError, check_rank_layout, rank_layout
+from ds_lowcomm.checkpoint import CheckpointError, ShardReader
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.shard.flat import gather_full
 from ds_lowcomm.comm.inflight import InFlight
 from ds_lowcomm.shard.context import ModeContext
-from ds_lowcomm.modes.base import Mode, require_one_shard_group
+from ds_lowcomm.modes.base import Mode, ModeState, require_one_shard_group
 from ds_lowcomm.shard.pace import device_clock
 from ds_lowcomm.shard.adamw import ShardAdamW
-from ds_lowcomm.shard.step import ShardedStepRound
+from ds_lowcomm.shard.step import Counts, ShardedStepRound, reduce_gradient
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,60 @@ def balanced_quota(per_round: int, paces: List[float], rank: int) -> int:
     return max(1, min(per_round, int(per_round / slower + 0.5)))
 
 
+class AccoRound(ShardedStepRound):
+    """One of acco's rounds: weighted by every rank's micro-batch count (:class:`Counts`), an
+    ``estimate`` (the step's result written to the gathered buffer, AdamW's state untouched:
+    :meth:`ShardAdamW.estimate`) or a real step, its gradient reduce-scattered in ``wire_dtype``.
+
+    ``delta``: a padded flat buffer that gets the new parameters' *change* from the parameters
+    the model holds (``ctx.flat.buffer``, which nothing writes while the round is in flight),
+    all-gathered in ``delta``'s dtype, instead of ``target`` getting the parameters;
+    :class:`~ds_lowcomm.comm.inflight.InFlight` adds it to them (bf16 ``estimate_dtype`` and
+    ``real_gather_dtype``: half the all-gather's bytes, rounding only the small change, never the
+    parameters; the model then differs from the result by that rounding, which the next round's
+    change, taken from the model, corrects instead of accumulating).
+    """
+
+    def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor, target: torch.Tensor,
+                 counts: Counts, *, estimate: bool, wire_dtype: Optional[torch.dtype] = None,
+                 delta: Optional[torch.Tensor] = None) -> None:
+        if delta is not None and target.dtype != torch.float32:
+            raise ValueError(f"delta: a change is added to fp32 parameters only (these are {target.dtype}: "
+                             "a change below half a ulp of a 2-byte weight would be lost); gather them whole")
+        super().__init__(ctx, adamw, grads, target, counts=counts)
+        self.estimate, self.delta = estimate, delta
+        self.wire_dtype = wire_dtype or ctx.comm_dtype
+
+    def reduce(self):
+        return reduce_gradient(self.ctx, self.grads, self.wire_dtype)
+
+    def update(self, grad: torch.Tensor, factor: float) -> torch.Tensor:
+        if self.estimate:
+            out = self.adamw.master.to(self.target.dtype, copy=True)
+            if not self.skipped:
+                self.adamw.estimate(grad, self.hyper, out, factor)
+        else:
+            out = super().update(grad, factor)
+        if self.delta is not None:
+            # The change from what the model holds (not from the master: the two differ by the
+            # previous change's rounding), computed in fp32 and rounded once.
+            out = (out - self.ctx.flat.layout.shard(self.ctx.flat.buffer)).to(self.delta.dtype)
+        return out
+
+    def gather(self, out: torch.Tensor) -> None:
+        self.ctx.topology.shard.all_gather(self.target if self.delta is None else self.delta, out)
+
+    def install(self) -> None:
+        if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's
+            super().install()
+
+
 class Acco(Mode):
     """ACCO (or DPU): sharded AdamW rounds on the CommWorker, overlapped with backward passes."""
 
     name = "acco"
     Options = AccoOptions
     drives_steps = True
-    has_rank_state = True
     paces = True
 
     @classmethod
@@ -252,31 +299,31 @@ class Acco(Mode):
     def _install(self) -> None:
         """Make the finished round's result (if any) the model's parameters."""
         rnd = self.inflight.install()
-        if rnd is not None and rnd.rank_counts is not None:
-            self.rank_round_counts.append(rnd.rank_counts)
-        if rnd is None or rnd.rank_paces is None:
+        counts = None if rnd is None else rnd.counts
+        if counts is not None and counts.rank_counts is not None:  # (None: restored from a checkpoint)
+            self.rank_round_counts.append(counts.rank_counts)
+        if counts is None or counts.rank_paces is None:
             return
         if self.balance:
-            paces = [p[0] for p in rnd.rank_paces]
+            paces = [p[0] for p in counts.rank_paces]
             if min(paces) > 0:
                 self.quota = balanced_quota(self.per_round, paces, self.ctx.topology.shard.rank)
         elif self.ctx.pacer is not None:
-            self.ctx.pacer.after_round(rnd.rank_paces, None if rnd.estimate else rnd.rank_weights)
+            self.ctx.pacer.after_round(counts.rank_paces, None if rnd.estimate else counts.rank_weights)
 
     def _launch(self) -> None:
         grads = self.ctx.grads
         self.send.copy_(grads.buffer)
         count = grads.micro_batches
         pacer = self.ctx.pacer if self.ctx.pacer is not None and self.ctx.pacer.active else None
+        counts = Counts(count)
         if pacer is not None:
             # Weights of the sums (cumulative over the step: an estimate's are its first half's)
             # against what a rank is handed when nothing is dropped; the paces plan the next blocks.
             gas = self.ctx.gradient_accumulation_steps
-            weighting = dict(weights=grads.weights.clone(), block=self.per_round if self.next_estimate else gas,
-                             local_paces=pacer.local_paces())
+            counts = Counts(count, grads.weights.clone(), block=self.per_round if self.next_estimate else gas,
+                            paces=pacer.local_paces())
             pacer.end_block()
-        else:
-            weighting = {}
         if not self.next_estimate:
             # A real round takes the whole step's sum (both halves); the estimate before it only
             # the first half, so the accumulator is cleared after real rounds only (clearing it
@@ -287,12 +334,11 @@ class Acco(Mode):
                 self._timed.popleft()
                 self.micro_batch_seconds.append(seconds)
             pace = statistics.median(self.micro_batch_seconds) if len(self.micro_batch_seconds) >= 3 else 0.0
-            weighting = dict(local_paces=[pace])
+            counts = Counts(count, paces=[pace])
         cheap = self.next_estimate and self.estimate_delta is not None
-        rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=count,
-                               estimate=self.next_estimate, **weighting,
-                               wire_dtype=torch.bfloat16 if cheap else None,
-                               delta=self.estimate_delta if self.next_estimate else self.real_delta)
+        rnd = AccoRound(self.ctx, self.adamw, self.send, self.gathered, counts, estimate=self.next_estimate,
+                        wire_dtype=torch.bfloat16 if cheap else None,
+                        delta=self.estimate_delta if self.next_estimate else self.real_delta)
         rnd.pack()
         self.inflight.launch(rnd)
         self.round_counts.append(count)
@@ -334,92 +380,66 @@ class Acco(Mode):
         return {"micro_batches_per_round": sum(recent) / len(recent) if recent else 0.0,
                 "micro_batches_per_round_by_rank": by_rank}
 
-    def state_dict(self) -> dict:
-        pending = self.inflight.verdict()  # its parameters travel in the shards
-        if pending is not None:
-            pending["estimate"] = self.inflight.round.estimate
-        return {"step": self.adamw.step_count,
-                "acco": {"variant": self.options.variant, "next_estimate": self.next_estimate,
-                         "pending": pending}}
-
-    def sharded_state(self) -> dict:
-        """Master and moments; with a round finished and not installed, this rank's slice of its
-        all-gathered result too (an estimate's parameters are nowhere else)."""
-        state = self.adamw.sharded_state()
-        rnd, layout = self.inflight.round, self.ctx.flat.layout
-        if rnd is not None and rnd.delta is not None:
+    def state(self) -> ModeState:
+        """Master and moments; with a round finished and not installed, its verdict and this rank's
+        slice of its result (an estimate's parameters are nowhere else); per rank, the gradients
+        accumulated mid-step (the buffer itself: nothing writes it while the checkpoint is
+        written), their micro-batch count and weights, and this rank's schedule position."""
+        rnd, layout, grads = self.inflight.round, self.ctx.flat.layout, self.ctx.grads
+        pending = self.inflight.verdict()
+        sharded = self.adamw.sharded_state()
+        if rnd is not None:
+            pending["estimate"] = rnd.estimate
             # The parameters the install would give, so a resume (at any layout) copies them:
             # the model's parameters now plus the change, as InFlight.install adds them.
-            state["pending_params"] = layout.shard(self.ctx.flat.buffer) + layout.shard(rnd.delta)
-        elif rnd is not None:
-            state["pending_params"] = layout.shard(self.gathered).clone()  # not the whole buffer
-        return state
+            sharded["pending_params"] = (layout.shard(self.ctx.flat.buffer) + layout.shard(rnd.delta)
+                                         if rnd.delta is not None else layout.shard(self.gathered).clone())
+        meta = {"step": self.adamw.step_count,
+                "acco": {"variant": self.options.variant, "next_estimate": self.next_estimate, "pending": pending}}
+        rank = {"accumulator": grads.buffer, "micro_batches": grads.micro_batches, "weights": grads.weights.tolist(),
+                "since_switch": self.since_switch, "round_counts": list(self.round_counts),
+                "block_sizes": list(self.block_sizes)}
+        return ModeState(meta, sharded, rank)
 
-    def load_state_dict(self, state: dict, shards) -> None:
-        self.adamw.load_shards(shards, state["step"])
-        saved = state["acco"]
-        self.inflight.drop()
-        self.launched = 0
-        self.quota = self.per_round  # re-measured from the next round on
-        if saved["variant"] != self.options.variant:
-            raise CheckpointError(f"checkpoint was written with lowcomm.acco.variant {saved['variant']!r}, "
+    def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
+        """Weights only: the schedule starts afresh from the master. Saved at another world size:
+        the gradients the saved ranks had accumulated mid-step go, summed, into new rank 0's
+        accumulator with their micro-batch counts and weights, and every other rank starts its
+        half-step empty (a round sums over ranks and divides by the global count, so where the
+        sums sit does not change the step they make)."""
+        if meta is not None and meta["acco"]["variant"] != self.options.variant:
+            raise CheckpointError(f"checkpoint was written with lowcomm.acco.variant {meta['acco']['variant']!r}, "
                                   f"this run uses {self.options.variant!r}")
-        self.next_estimate = saved["next_estimate"]
-        pending = saved["pending"]
-        if pending is not None:
-            # Re-create the finished, not yet installed round: the next switch installs it.
-            rnd = ShardedStepRound(self.ctx, self.adamw, self.send, self.gathered, local_count=0,
-                                   estimate=pending["estimate"])
-            self.inflight.restore(rnd, pending, shards.full("pending_params", self.gathered))
-
-    def load_weights(self, shards) -> None:
-        """The schedule starts afresh from the master."""
-        self.adamw.load_shards(shards, None)
+        grads = self.ctx.grads
         self.inflight.drop()
         self.launched = 0
         self.quota = self.per_round  # re-measured from the next round on
-        self.next_estimate = self.two_rounds
-        self.since_switch = 0
-        self.ctx.grads.zero_()
-        self.ctx.set_params(shards.full("master", self.adamw.master))
-
-    def rank_state_dict(self) -> dict:
-        """The gradients accumulated mid-step (the buffer itself: nothing writes it while the
-        checkpoint is written), their micro-batch count and this rank's schedule position."""
-        grads = self.ctx.grads
-        return {**rank_layout(self.ctx.topology), "accumulator": grads.buffer,
-                "micro_batches": grads.micro_batches, "weights": grads.weights.tolist(),
-                "since_switch": self.since_switch,
-                "round_counts": list(self.round_counts), "block_sizes": list(self.block_sizes)}
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        check_rank_layout(state, self.ctx.topology, "the gradients each rank had accumulated mid-step")
-        grads = self.ctx.grads
-        grads.buffer.copy_(state["accumulator"])
-        grads.micro_batches = state["micro_batches"]
-        # (saved before weights existed: every micro-batch computed, each weighing 1)
-        grads.weights.copy_(torch.tensor(state.get("weights", [grads.micro_batches] * 2), dtype=torch.float64))
-        self.since_switch = state["since_switch"]
+        self.adamw.load_shards(shards, None if meta is None else meta["step"])
         self.round_counts.clear()
-        self.round_counts.extend(state["round_counts"])
         self.block_sizes.clear()
-        self.block_sizes.extend(state["block_sizes"])
-
-    def reshard_rank_state(self, shards) -> None:
-        """Saved at another world size: the gradients the saved ranks had accumulated mid-step
-        go, summed, into new rank 0's accumulator with their micro-batch count; every other
-        rank starts its half-step empty. A round sums over ranks and divides by the global
-        count, so where the sums sit does not change the step they make."""
-        grads = self.ctx.grads
         grads.zero_()
         self.since_switch = 0
-        self.round_counts.clear()
-        self.block_sizes.clear()
-        if self.ctx.topology.rank != 0:
+        if meta is None:
+            self.next_estimate = self.two_rounds
+            self.ctx.set_params(shards.full("master", self.adamw.master))
             return
-        numel = self.ctx.flat.layout.numel  # (the padding depends on the world size)
-        for rank in range(shards.meta["world_size"]):
-            saved = shards.rank_state(rank)
-            grads.buffer[:numel].add_(saved["accumulator"][:numel].to(grads.buffer.device))
-            grads.micro_batches += int(saved["micro_batches"])
-            grads.weights.add_(torch.tensor(saved.get("weights", [saved["micro_batches"]] * 2), dtype=torch.float64))
+        self.next_estimate = meta["acco"]["next_estimate"]
+        pending = meta["acco"]["pending"]
+        if pending is not None:
+            # Re-create the finished, not yet installed round: the next switch installs it.
+            rnd = AccoRound(self.ctx, self.adamw, self.send, self.gathered, Counts(0), estimate=pending["estimate"])
+            self.inflight.restore(rnd, pending, shards.full("pending_params", self.gathered))
+        if rank is not None:  # this rank's own, as it was
+            grads.buffer.copy_(rank["accumulator"])
+            grads.micro_batches = int(rank["micro_batches"])
+            grads.weights.copy_(torch.tensor(rank["weights"], dtype=torch.float64))
+            self.since_switch = rank["since_switch"]
+            self.round_counts.extend(rank["round_counts"])
+            self.block_sizes.extend(rank["block_sizes"])
+        elif self.ctx.topology.rank == 0:
+            numel = self.ctx.flat.layout.numel  # (the padding depends on the world size)
+            for r in range(shards.meta["world_size"]):
+                part = shards.rank_state(r)
+                grads.buffer[:numel].add_(part["accumulator"][:numel].to(grads.buffer.device))
+                grads.micro_batches += int(part["micro_batches"])
+                grads.weights.add_(torch.tensor(part["weights"], dtype=torch.float64))

@@ -2,13 +2,30 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from typing import ClassVar, Dict, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import CheckpointError
+from ds_lowcomm.checkpoint import ShardReader
 from ds_lowcomm.config import LowCommConfigError
 from ds_lowcomm.shard.context import ModeContext
+
+
+@dataclass
+class ModeState:
+    """What a checkpoint keeps of a mode, as :meth:`Mode.state` describes it (torch's
+    ``Stateful``, Megatron's ``sharded_state_dict``): built without communication, of the
+    tensors themselves (the :class:`~ds_lowcomm.checkpoint.Checkpointer` writes or copies them)."""
+
+    #: small metadata (counters, flags; no parameter-sized tensors): into DeepSpeed's model file
+    meta: dict
+    #: this rank's shards of the flat state, keyed by name: into its own file, read back at any
+    #: layout by a :class:`~ds_lowcomm.checkpoint.ShardReader`
+    sharded: Dict[str, torch.Tensor]
+    #: state tied to this rank and the layout (world size, shard group size): into its own file;
+    #: None when the mode has none
+    rank: Optional[dict] = field(default=None)
 
 
 class Mode(abc.ABC):
@@ -24,9 +41,6 @@ class Mode(abc.ABC):
     #: the mode decides when an optimizer step is taken (it calls ``ctx.step_taken()``);
     #: DeepSpeed's engine then never sees an accumulation boundary of its own
     drives_steps: ClassVar[bool] = False
-    #: :meth:`rank_state_dict` returns state tied to this rank (a resume then needs the layout
-    #: the checkpoint was saved with; the sharded state alone reshards)
-    has_rank_state: ClassVar[bool] = False
     #: ``lowcomm.pace: "fastest"`` works here: the mode's rounds carry the
     #: :class:`~ds_lowcomm.shard.pace.Pacer`'s weights and paces over the whole world
     paces: ClassVar[bool] = False
@@ -37,7 +51,8 @@ class Mode(abc.ABC):
 
     @classmethod
     def is_asynchronous(cls, options) -> bool:
-        """Whether rounds run on a background CommWorker thread / side stream instead of inline."""
+        """Whether rounds run on a background CommWorker thread / side stream (``ctx.worker``)
+        instead of on the training thread (:func:`~ds_lowcomm.shard.step.step_now`)."""
         return False
 
     @classmethod
@@ -82,50 +97,25 @@ class Mode(abc.ABC):
     def master_weights(self) -> torch.Tensor:
         """The full fp32 master weights, unpadded flat (collective: every rank must call it)."""
 
-    # -- state: no communication in any of these (tests/test_checkpoint.py counts); the engine
-    # settles first, and reads and writes files through the Checkpointer
-
-    @abc.abstractmethod
-    def state_dict(self) -> dict:
-        """Small metadata of the optimizer state (counters, flags): what goes into the model file.
-        No communication, no parameter-sized tensors."""
-
-    @abc.abstractmethod
-    def sharded_state(self) -> Dict[str, torch.Tensor]:
-        """This rank's shards of the flat state, written to its own file as they are (no copy,
-        no communication); read back by a :class:`~ds_lowcomm.checkpoint.ShardReader` at any
-        layout."""
-
-    @abc.abstractmethod
-    def load_state_dict(self, state: dict, shards) -> None:
-        """Restore from :meth:`state_dict` and the shards (a ``ShardReader``)."""
-
-    @abc.abstractmethod
-    def load_weights(self, shards) -> None:
-        """Take the fp32 master from the shards (any mode's checkpoint); everything else
-        restarts, and the model gets the master."""
-
     def metrics(self) -> dict:
         """Mode-specific numbers for :meth:`LowCommOptimizer.comm_stats`."""
         return {}
 
-    def rank_state_dict(self) -> Optional[dict]:
-        """State tied to this rank and layout (saved in its file beside its shards), or None."""
-        return None
+    # -- checkpoint state: no communication in either method (tests/test_checkpoint.py counts);
+    # the engine settles first, and the Checkpointer reads and writes the files
 
-    def load_rank_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`rank_state_dict` of the same rank, saved with this layout."""
+    @abc.abstractmethod
+    def state(self) -> ModeState:
+        """The optimizer state to save."""
 
-    def reshard_rank_state(self, shards) -> None:
-        """Rebuild the per-rank state of a checkpoint saved with another world size or
-        ``shard_group_size`` (after :meth:`load_state_dict`), from the saved ranks' state read
-        through ``shards`` (no communication), where that has a meaning; otherwise raise a
-        ``CheckpointError`` naming the way out."""
-        raise CheckpointError(
-            f"this {self.name} checkpoint holds per-rank state for {shards.meta['world_size']} ranks in "
-            f"shard groups of {shards.meta['shard_group_size']}, which does not carry over to another "
-            f"layout; resume with that layout, or load with load_optimizer_states=False to keep only "
-            f"the weights")
+    @abc.abstractmethod
+    def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
+        """Take a checkpoint's state back, from any layout: ``meta`` as :meth:`state` saved it
+        (merged into the optimizer's metadata), or None to take only the fp32 master from
+        ``shards`` (any mode's checkpoint: everything else restarts, the model gets the master);
+        ``shards`` reads every saved rank's shards and per-rank part; ``rank`` this rank's
+        per-rank part when the checkpoint was saved with this run's layout, else None (the mode
+        rebuilds its per-rank state from ``shards``, where that has a meaning)."""
 
 
 def require_one_shard_group(ctx: ModeContext, mode: str) -> None:

@@ -37,20 +37,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from ds_lowcomm.checkpoint import check_rank_layout, rank_layout
+from ds_lowcomm.checkpoint import ShardReader
 from ds_lowcomm.memory import CHUNK_BYTES, temporary
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.modes.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.shard.flat import gather_full
 from ds_lowcomm.comm.inflight import InFlight
 from ds_lowcomm.shard.context import ModeContext
-from ds_lowcomm.modes.base import Mode, require_shard_group_size
+from ds_lowcomm.modes.base import Mode, ModeState, require_shard_group_size
 from ds_lowcomm.comm.round import StepRound
-from ds_lowcomm.shard.step import all_finite, clip_by_global_norm, clip_scale_tensor, nonfinite_ranks
+from ds_lowcomm.shard.step import all_finite, clip_by_global_norm, clip_scale_tensor, nonfinite_ranks, step_now
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
@@ -73,10 +73,21 @@ class DemoOptions:
                              "flight (needs shard_group_size 1)")
 
 
+class DemoShard:
+    """This rank's shard of DeMo's state, beside what :class:`ShardAdamW` is to AdamW: the fp32
+    master, the momentum δ (error-feedback residual included) and the updates applied. Only the
+    round in flight writes it; the mode reads it once the round has run."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self.momentum = torch.zeros_like(master)
+        self.step_count = 0
+
+
 class DemoRound(StepRound):
     """One DeMo step on this rank's shard (the module docstring's equations).
 
-    Reads the padded flat gradient sums ``grads``; updates the mode's δ and master shard; writes
+    Reads the padded flat gradient sums ``grads``; updates ``shard`` (δ and the master); writes
     the new parameters, all-gathered over the shard group, into ``target``. Communication per
     round: shard group of W ranks: reduce-scatter (W−1)/W·P·comm bytes, a 4-byte norm
     all-reduce, all-gather (W−1)/W·P·param bytes; replica group of R: all-gather (R−1)·payload.
@@ -87,19 +98,20 @@ class DemoRound(StepRound):
     beside the old one until then: one more shard-sized fp32 buffer while the round runs.
     """
 
-    def __init__(self, mode: "Demo", grads: torch.Tensor, target: torch.Tensor) -> None:
+    def __init__(self, ctx: ModeContext, shard: DemoShard, codec: DctTopK, beta: float,
+                 grads: torch.Tensor, target: torch.Tensor) -> None:
         super().__init__()
-        self.mode, self.grads, self.target = mode, grads, target
+        self.ctx, self.shard, self.codec, self.beta = ctx, shard, codec, beta
+        self.grads, self.target = grads, target
+        self.segments = ctx.flat.layout.segments()
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
-        ctx = self.mode.ctx
-        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in ctx.param_groups]
-        self.capture_step(ctx.loss_scale, ctx.steps)
+        self.hyper: List[dict] = [{k: g[k] for k in ("lr", "weight_decay")} for g in self.ctx.param_groups]
+        self.capture_step(self.ctx.loss_scale, self.ctx.steps)
 
     def run(self) -> None:
-        mode, hyper = self.mode, self.hyper
-        ctx, o = mode.ctx, mode.options
+        ctx, hyper, state, codec = self.ctx, self.hyper, self.shard, self.codec
         shard, replica = ctx.topology.shard, ctx.topology.replica
 
         grad = temporary(ctx.flat.layout.shard_size, torch.float32, self.grads.device)
@@ -111,37 +123,37 @@ class DemoRound(StepRound):
             self.nonfinite_ranks = nonfinite_ranks(shard, all_finite(self.grads), self.grads.device)
 
         # δ is updated into a new tensor and committed only once every replica's verdict is in.
-        delta = mode.delta * o.beta
-        for seg in mode.segments:
+        momentum = state.momentum * self.beta
+        for seg in self.segments:
             sl = slice(seg.start, seg.end)
-            delta[sl].add_(grad[sl], alpha=hyper[seg.group]["lr"])
-        local_ok = local_ok and all_finite(delta)  # a reduction: no shard-sized flags
-        idx, vals = mode.codec.encode(delta)
+            momentum[sl].add_(grad[sl], alpha=hyper[seg.group]["lr"])
+        local_ok = local_ok and all_finite(momentum)  # a reduction: no shard-sized flags
+        idx, vals = codec.encode(momentum)
         if not local_ok:
             # The verdict rides in the payload: NaN values make every replica's decoded update
             # non-finite, so every replica skips this step with us.
             vals = torch.full_like(vals, float("nan"))
-        payload = mode.codec.pack(idx, vals)
+        payload = codec.pack(idx, vals)
         if replica is None:
             payloads = [payload]
         else:
             gathered = payload.new_empty(replica.world * payload.numel())
             replica.all_gather(gathered, payload)
             payloads = list(gathered.chunk(replica.world))
-        update = mode.codec.decode_mean(payloads)
+        update = codec.decode_mean(payloads)
         self.skipped = not all_finite(update)  # checked before sign(): sign(NaN) hides it
 
         if not self.skipped:
-            mode.delta = delta.sub_(mode.codec.dense(idx, vals))  # error feedback
+            state.momentum = momentum.sub_(codec.dense(idx, vals))  # error feedback
             update.sign_()
-            for seg in mode.segments:
+            for seg in self.segments:
                 sl, hp = slice(seg.start, seg.end), hyper[seg.group]
-                mode.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
-            mode.step_count += 1
-        shard.all_gather(self.target, mode.master)  # converted chunk by chunk
+                state.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
+            state.step_count += 1
+        shard.all_gather(self.target, state.master)  # converted chunk by chunk
 
     def install(self) -> None:
-        self.mode.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
+        self.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
 
 
 class Demo(Mode):
@@ -149,7 +161,6 @@ class Demo(Mode):
 
     name = "demo"
     Options = DemoOptions
-    has_rank_state = True
 
     @classmethod
     def is_asynchronous(cls, options: DemoOptions) -> bool:
@@ -172,34 +183,30 @@ class Demo(Mode):
     def __init__(self, ctx: ModeContext, options: DemoOptions) -> None:
         super().__init__(ctx, options)
         layout = ctx.flat.layout
-        self.master = layout.shard(ctx.flat.buffer).to(torch.float32, copy=True)
-        self.delta = torch.zeros_like(self.master)
+        self.shard = DemoShard(layout.shard(ctx.flat.buffer).to(torch.float32, copy=True))
         matrices = tuple(ctx.flat.matrix_rows_in_shard()) if options.tiling == "matrix" else ()
         self.codec = DctTopK(layout.shard_size, options.chunk, options.topk, options.values, matrices)
         self.segments = layout.segments()
-        self.step_count = 0
-        self.send = self.gathered = None
+        # overlap: the round in flight (or done, not installed), its send buffer and result
+        self.inflight = self.send = self.gathered = None
         if options.overlap:
             self.send = torch.zeros(layout.padded, dtype=ctx.comm_dtype, device=ctx.flat.device)
             self.gathered = torch.zeros_like(ctx.flat.buffer)
-        # overlap: the round in flight (or done, not installed); never launched otherwise
-        self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
+            self.inflight = InFlight(ctx.worker, ctx.flat.buffer, self.gathered)
+
+    def _round(self, grads: torch.Tensor, target: torch.Tensor) -> DemoRound:
+        return DemoRound(self.ctx, self.shard, self.codec, self.options.beta, grads, target)
 
     @torch.no_grad()
     def step(self) -> None:
         ctx = self.ctx
-        if not self.options.overlap:
-            rnd = DemoRound(self, ctx.grads.buffer, ctx.flat.buffer)
-            rnd.pack()
-            ctx.worker.wait(ctx.worker.submit(rnd))
-            rnd.install()
-            ctx.grads.zero_()
-            ctx.step_taken()
+        if self.inflight is None:
+            step_now(ctx, self._round(ctx.grads.buffer, ctx.flat.buffer))
             return
         self.inflight.install()  # also frees ``send`` for this step's gradients
         self.send.copy_(ctx.grads.buffer)
         ctx.grads.zero_()
-        rnd = DemoRound(self, self.send, self.gathered)
+        rnd = self._round(self.send, self.gathered)
         rnd.pack()
         if self.options.lookahead:
             self._look_ahead(rnd.hyper)
@@ -212,101 +219,87 @@ class Demo(Mode):
         round is submitted, while δ is stable; the round's result overwrites the model."""
         # All on the device, no host read (a .item() here would stall the host every step and
         # cost the overlap): the norm, its clip scale and its finiteness stay tensors.
-        ctx, send, loss_scale = self.ctx, self.send, self.ctx.loss_scale
+        ctx, send, loss_scale, momentum = self.ctx, self.send, self.ctx.loss_scale, self.shard.momentum
         norm = torch.linalg.vector_norm(send, dtype=torch.float64) / loss_scale
         scale = clip_scale_tensor(norm, ctx.gradient_clipping)
         # A non-finite gradient: the round will skip this step, and the model stays where it is
         # (computing at a non-finite point would spread it): the step becomes zero.
         finite = torch.isfinite(norm)
         chunk = CHUNK_BYTES // 4  # the step chunk by chunk: no shard-sized temporary
-        scratch = temporary(min(chunk, self.delta.numel()), torch.float32, self.delta.device)
+        scratch = temporary(min(chunk, momentum.numel()), torch.float32, momentum.device)
         for seg in self.segments:
             lr = hyper[seg.group]["lr"]
             for a in range(seg.start, seg.end, chunk):
                 b = min(a + chunk, seg.end)
-                step = torch.mul(self.delta[a:b], self.options.beta, out=scratch[:b - a])
+                step = torch.mul(momentum[a:b], self.options.beta, out=scratch[:b - a])
                 step.addcmul_(send[a:b], scale * lr / loss_scale).sign_().nan_to_num_(0.0).mul_(finite)
                 ctx.flat.buffer[a:b].sub_(step, alpha=lr)
 
     def flush(self) -> None:
         """Overlap: install the update in flight, so the model holds the latest parameters."""
-        self.inflight.install()
+        if self.inflight is not None:
+            self.inflight.install()
 
     def settle(self) -> None:
         """Wait for the round in flight (without installing it): δ and the master are then stable."""
-        self.inflight.settle()
-
-    # -- state --------------------------------------------------------------------------------
-
-    def master_weights(self) -> torch.Tensor:
-        self.settle()
-        return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.master)
+        if self.inflight is not None:
+            self.inflight.settle()
 
     def metrics(self) -> dict:
         r = self.ctx.topology.num_replicas
         return {"payload_bytes": self.codec.payload_bytes,
                 "replica_bytes_sent_per_step": (r - 1) * self.codec.payload_bytes}
 
-    def state_dict(self) -> dict:
-        """``pending``: the master includes an update that has not reached the model yet (the
-        model's own weights are saved by DeepSpeed)."""
-        pending = self.inflight.verdict()
-        return {"step": self.step_count, "pending": pending}
+    # -- state --------------------------------------------------------------------------------
 
-    def sharded_state(self) -> dict:
+    def master_weights(self) -> torch.Tensor:
+        self.settle()
+        return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.shard.master)
+
+    def state(self) -> ModeState:
         """The master (every replica holds the same) and this replica's momentum δ, sharded over
-        the shard group."""
-        return {"master": self.master, "delta": self.delta}
+        the shard group; ``pending``: the master includes an update that has not reached the model
+        yet (the model's weights are saved by DeepSpeed), and with a look-ahead in force each rank
+        keeps its model parameters, its own look-ahead point (DeepSpeed saves rank 0's)."""
+        pending = None if self.inflight is None else self.inflight.verdict()
+        rank = {}
+        if pending is not None and self.options.lookahead:
+            rank["lookahead_params"] = self.ctx.flat.buffer.clone()
+        return ModeState(meta={"step": self.shard.step_count, "pending": pending},
+                         sharded={"master": self.shard.master, "momentum": self.shard.momentum}, rank=rank)
 
-    def load_state_dict(self, state: dict, shards) -> None:
+    def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
         """Saved with this layout: each replica its own δ. At another world size or
         ``shard_group_size``: every replica the average of the saved replicas' δ (error feedback
-        residuals of the same momentum; their mean keeps what was not yet sent, on average)."""
-        topo, layout = self.ctx.topology, self.ctx.flat.layout
-        self.master = shards.shard("master", layout, self.master)
-        if "delta" in shards.keys():  # (in the rank files before ds_lowcomm/2.1)
-            if shards.same_layout(topo):
-                self.delta = shards.of_replica(topo.rank // topo.shard_group_size).shard("delta", layout, self.delta)
-            else:
-                self.delta = shards.replica_mean("delta", layout.shard_start, layout.shard_size, self.delta)
-        self.step_count = int(state["step"])
-        self.inflight.drop()
-        pending = state.get("pending")
+        residuals of the same momentum; their mean keeps what was not yet sent, on average), and
+        a look-ahead point is not carried over (every rank keeps the model weights DeepSpeed
+        loaded, rank 0's, until the round in flight is installed). Weights only: momentum and
+        step restart from the master."""
+        state, topo, layout = self.shard, self.ctx.topology, self.ctx.flat.layout
+        if self.inflight is not None:
+            self.inflight.drop()
+        state.master = shards.shard("master", layout, state.master)
+        if meta is None:
+            state.step_count = 0
+            state.momentum.zero_()
+            self.ctx.set_params(shards.full("master", state.master))
+            return
+        if rank is not None:
+            mine = shards.of_replica(topo.rank // topo.shard_group_size)
+            state.momentum = mine.shard("momentum", layout, state.momentum)
+        else:
+            state.momentum = shards.replica_mean("momentum", layout.shard_start, layout.shard_size, state.momentum)
+        state.step_count = int(meta["step"])
+        pending = meta.get("pending")
         if pending is None:
             return  # the model file's weights are the master's last all-gather
-        master = shards.full("master", self.master)
-        if not self.options.overlap:
+        master = shards.full("master", state.master)
+        if self.inflight is None:
             self.ctx.set_params(master)  # saved with overlap, resumed without: installed now
             return
         # Re-create the finished, not yet installed round: the next boundary installs it, so the
-        # model keeps the weights DeepSpeed restored until then.
-        self.inflight.restore(DemoRound(self, self.send, self.gathered), pending, master)
-
-    def load_weights(self, shards) -> None:
-        """Momentum and step restart from the master."""
-        self.master = shards.shard("master", self.ctx.flat.layout, self.master)
-        self.step_count = 0
-        self.inflight.drop()
-        self.delta.zero_()
-        self.ctx.set_params(shards.full("master", self.master))
-
-    def rank_state_dict(self) -> dict:
-        """With a look-ahead in force, this rank's model parameters (its own look-ahead point:
-        the model weights DeepSpeed saves are rank 0's)."""
-        state = rank_layout(self.ctx.topology)
-        if self.inflight.round is not None and self.options.lookahead:
-            state["lookahead_params"] = self.ctx.flat.buffer.clone()
-        return state
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        check_rank_layout(state, self.ctx.topology, "each rank's momentum")
-        if "delta" in state:  # written before δ was sharded
-            self.delta.copy_(state["delta"])
-        point = state.get("lookahead_params")
-        if point is not None and self.inflight.round is not None:  # the update in flight was kept
+        # model keeps the weights DeepSpeed restored (or this rank's look-ahead point) until then.
+        self.inflight.restore(self._round(self.send, self.gathered), pending, master)
+        point = None if rank is None else rank.get("lookahead_params")
+        if point is not None:
             self.ctx.flat.buffer.copy_(point)
-
-    def reshard_rank_state(self, shards) -> None:
-        """Saved at another layout: δ was averaged over the saved replicas by
-        :meth:`load_state_dict`; a look-ahead point is not carried over (every rank keeps the
-        model weights DeepSpeed loaded, rank 0's, until the round in flight is installed)."""

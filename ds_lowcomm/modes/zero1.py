@@ -21,21 +21,42 @@ forward calls ``engine.optimizer.settle()`` first (checkpoints and ``flush`` do)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
+from ds_lowcomm.checkpoint import ShardReader
 from ds_lowcomm.shard.buckets import GradBuckets, ParamBuckets
 from ds_lowcomm.config import option
 from ds_lowcomm.shard.flat import gather_full
 from ds_lowcomm.shard.context import ModeContext
-from ds_lowcomm.modes.base import Mode, require_one_shard_group
+from ds_lowcomm.modes.base import Mode, ModeState, require_one_shard_group
 from ds_lowcomm.shard.adamw import ShardAdamW
-from ds_lowcomm.shard.step import ShardedStepRound
+from ds_lowcomm.shard.step import Counts, ShardedStepRound, step_now
+
 
 @dataclass(frozen=True)
 class Zero1Options:
     overlap: bool = option(False, "reduce-scatter the gradient bucket by bucket while the step's last "
                            "backward pass runs, and all-gather the parameters bucket by bucket while "
                            "the next forward pass runs (a comm thread); the same result")
+
+
+class OverlappedRound(ShardedStepRound):
+    """zero1 with ``overlap``: the gradient shard was reduce-scattered bucket by bucket during the
+    backward pass (:meth:`GradBuckets.take`: the shard, and whether this rank's own 2-byte sums
+    were finite before they were reduced in place), and the parameters are all-gathered bucket by
+    bucket during the next forward pass (:class:`ParamBuckets`, from :attr:`out`)."""
+
+    def __init__(self, *args, reduced, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reduced = reduced
+
+    def reduce(self):
+        return self.reduced
+
+    def gather(self, out: torch.Tensor) -> None:
+        """Left to :class:`ParamBuckets`."""
 
 
 class Zero1(Mode):
@@ -66,34 +87,26 @@ class Zero1(Mode):
 
     def step(self) -> None:
         ctx = self.ctx
-        reduced = None
-        if self.buckets is not None:
-            if self.buckets.out is None:
-                raise RuntimeError("ds_lowcomm: zero1 with overlap stepped without a boundary backward "
-                                   "pass (call engine.backward before engine.step)")
-            for ticket in self.buckets.tickets:  # a failed bucket raises here
-                ctx.worker.wait(ticket)
-            reduced, self.buckets.out = self.buckets.out, None
         pacer = ctx.pacer if ctx.pacer is not None and ctx.pacer.active else None
         # Paced: the step's weights and every rank's paces ride on one small all-reduce; the
         # sums are scaled by what was computed (1/W exactly when everything was).
-        weighting = (dict(local_count=ctx.grads.micro_batches, weights=ctx.grads.weights,
-                          local_paces=pacer.local_paces()) if pacer is not None
-                     else dict(scale=1.0 / ctx.topology.shard.world))
-        rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, reduced=reduced,
-                               own_finite=self.buckets.own_finite if self.buckets is not None else None,
-                               gather=self.gathers is None, **weighting)
-        rnd.pack()
-        ctx.worker.wait(ctx.worker.submit(rnd))
-        rnd.install()
-        if pacer is not None:
-            pacer.after_round(rnd.rank_paces, rnd.rank_weights)
-        if self.gathers is not None:
-            self.gathers.start(rnd.out)  # the next forward waits for them, module by module
-        ctx.grads.zero_()
-        if pacer is not None:
-            pacer.end_block()
-        ctx.step_taken()
+        weighting = (dict(counts=Counts(ctx.grads.micro_batches, ctx.grads.weights, paces=pacer.local_paces()))
+                     if pacer is not None else dict(scale=1.0 / ctx.topology.shard.world))
+        if self.buckets is None:
+            rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, **weighting)
+        else:
+            rnd = OverlappedRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, **weighting,
+                                  reduced=self.buckets.take())
+
+        def after_install(rnd: ShardedStepRound) -> None:
+            if pacer is not None:
+                pacer.after_round(rnd.counts.rank_paces, rnd.counts.rank_weights)
+            if self.gathers is not None:
+                self.gathers.start(rnd.out)  # the next forward waits for them, module by module
+            if pacer is not None:
+                pacer.end_block()
+
+        step_now(ctx, rnd, after_install)
 
     def settle(self) -> None:
         """With overlap: wait until the parameters' all-gather has landed (no communication)."""
@@ -116,16 +129,12 @@ class Zero1(Mode):
         self.settle()
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 
-    def state_dict(self) -> dict:
-        return {"step": self.adamw.step_count}
+    def state(self) -> ModeState:
+        return ModeState(meta={"step": self.adamw.step_count}, sharded=self.adamw.sharded_state())
 
-    def sharded_state(self) -> dict:
-        return self.adamw.sharded_state()
-
-    def load_state_dict(self, state: dict, shards) -> None:
-        """The model's weights come from DeepSpeed's file: the master's last all-gather."""
-        self.adamw.load_shards(shards, state["step"])
-
-    def load_weights(self, shards) -> None:
-        self.adamw.load_shards(shards, None)
-        self.ctx.set_params(shards.full("master", self.adamw.master))
+    def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
+        """The model's weights come from DeepSpeed's file (the master's last all-gather), or, for
+        the weights alone, from the master."""
+        self.adamw.load_shards(shards, None if meta is None else meta["step"])
+        if meta is None:
+            self.ctx.set_params(shards.full("master", self.adamw.master))

@@ -124,12 +124,23 @@ class GradBuckets:
 
     def finish(self) -> List[Ticket]:
         """After that backward pass: launch the buckets still waiting; returns every bucket's
-        ticket (the step's round, submitted after them, runs after them)."""
+        ticket (:meth:`take` waits for them)."""
         self.ctx.grads.on_final = None
         self._armed = False
         self.launched_in_backward += self._next
         self._launch()
         return self.tickets
+
+    def take(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """At the step: wait for every bucket (a failed one raises here), then hand over
+        :attr:`out` and :attr:`own_finite` (the step's round starts from them)."""
+        if self.out is None:
+            raise RuntimeError("ds_lowcomm: zero1 with overlap stepped without a boundary backward "
+                               "pass (call engine.backward before engine.step)")
+        for ticket in self.tickets:
+            self.ctx.worker.wait(ticket)
+        out, self.out = self.out, None
+        return out, self.own_finite
 
     def _param_final(self, p: torch.Tensor) -> None:
         key = id(p)

@@ -7,7 +7,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ds_lowcomm.comm.collectives import Collectives
+from ds_lowcomm.comm.collectives import Collectives, CommStats
 from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 from ds_lowcomm.shard.pace import Pacer
 from ds_lowcomm.comm.topology import Topology
@@ -20,7 +20,8 @@ class ModeContext:
     bucket rather than the DDP module.
 
     Data: the flat parameters and their gradient accumulator, the process groups, the comm worker
-    rounds run on, the caller's ``param_groups`` (read at pack time: a scheduler may change them),
+    an asynchronous mode's rounds run on, the counters a synchronous round's time goes to, the
+    caller's ``param_groups`` (read at pack time: a scheduler may change them),
     and the optimizer's fixed settings. Calls back into the optimizer: :meth:`step_taken` when a
     step is taken, :meth:`record_step` with a step's verdict when its result is installed.
     """
@@ -28,7 +29,9 @@ class ModeContext:
     flat: FlatParams
     grads: GradAccumulator
     topology: Topology
-    worker: CommWorker
+    #: None for a synchronous mode (its rounds run on the training thread)
+    worker: Optional[CommWorker]
+    stats: CommStats
     param_groups: List[dict]
     comm_dtype: torch.dtype
     gradient_clipping: float
