@@ -24,7 +24,7 @@ class ModeState:
     #: layout by a :class:`~ds_lowcomm.checkpoint.ShardReader`
     sharded: Dict[str, torch.Tensor]
     #: state tied to this rank and the layout (world size, shard group size): into its own file;
-    #: None when the mode has none
+    #: None (or empty) when the mode has none
     rank: Optional[dict] = field(default=None)
 
 

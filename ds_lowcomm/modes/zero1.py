@@ -87,16 +87,16 @@ class Zero1(Mode):
 
     def step(self) -> None:
         ctx = self.ctx
+        reduced = None if self.buckets is None else self.buckets.take()  # waits for every bucket
         pacer = ctx.pacer if ctx.pacer is not None and ctx.pacer.active else None
         # Paced: the step's weights and every rank's paces ride on one small all-reduce; the
         # sums are scaled by what was computed (1/W exactly when everything was).
         weighting = (dict(counts=Counts(ctx.grads.micro_batches, ctx.grads.weights, paces=pacer.local_paces()))
                      if pacer is not None else dict(scale=1.0 / ctx.topology.shard.world))
-        if self.buckets is None:
+        if reduced is None:
             rnd = ShardedStepRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, **weighting)
         else:
-            rnd = OverlappedRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, **weighting,
-                                  reduced=self.buckets.take())
+            rnd = OverlappedRound(ctx, self.adamw, ctx.grads.buffer, ctx.flat.buffer, **weighting, reduced=reduced)
 
         def after_install(rnd: ShardedStepRound) -> None:
             if pacer is not None:

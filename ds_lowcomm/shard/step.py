@@ -8,7 +8,8 @@ of W ranks, for P padded elements::
                                                                       2(W-1)/W · 8W·(1 [+2] [+paces]) bytes
     reduce_gradient  reduce-scatter  gradient sums in the wire dtype   (W-1)/W · P · wire bytes
     judge            all-reduce      squared norm of the gradient shards       2(W-1)/W · 4 bytes
-                     (after a non-finite norm only: a W-element all-reduce naming the ranks)
+                     (after a non-finite norm only, the round adds a W-element all-reduce
+                     naming the ranks whose own sums were not finite)
     update           local           AdamW on the fp32 shard (:class:`ShardAdamW`)
     gather           all-gather      the updated parameters            (W-1)/W · P · param bytes
 
@@ -222,7 +223,8 @@ class ShardedStepRound(StepRound):
     A mode changes a phase by overriding :meth:`reduce`, :meth:`update` or :meth:`gather`. A
     non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
     master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
-    After :meth:`run`, :attr:`out` is this rank's shard of the new parameters.
+    After :meth:`run`, :attr:`out` is this rank's shard of the new parameters (what
+    :meth:`update` returned: acco's gathered change, where it gathers one).
     """
 
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor, target: torch.Tensor, *,
