@@ -53,7 +53,7 @@ def _run(cfg, rank, poison=None, skip=(), steps=STEPS, scales=None, norms=None, 
         if hook is not None:
             hook.remove()
         mode = engine.optimizer.mode if "lowcomm" in cfg else None
-        if mode is not None and mode.name == "demo" and mode.inflight.round is not None:
+        if mode is not None and mode.name == "demo" and mode.inflight is not None and mode.inflight.round is not None:
             # demo overlap: did the look-ahead move the model off the last installed result?
             moved.append(not engine.optimizer.flat.buffer.equal(mode.gathered))
         if scales is not None:

@@ -211,8 +211,8 @@ def _files_on_the_way_to_the_wire(rank, world):
 def test_a_zero1_step_reaches_the_wire_through_six_files():
     """From examples/train.py to the gradient's reduce-scatter, a zero1 step's call stack holds at
     most six project files (today five: the script, the optimizer, the mode, the sharded step and
-    the collectives; DeepSpeed's engine calls the optimizer), and no comm worker: the
-    synchronous round is run on the training thread by ``step_now``."""
+    the collectives; DeepSpeed's engine calls the optimizer), and no comm worker: a synchronous
+    mode's round is run on the training thread by ``step_now``."""
     for stacks in run_ranks(_files_on_the_way_to_the_wire, 2):
         assert len(stacks) == 2  # one reduce-scatter per step
         for files in stacks:

@@ -16,8 +16,8 @@ of W ranks, for P padded elements::
 :class:`ShardedStepRound` runs them in that order and each mode composes its round from it:
 zero1's with overlap takes a shard reduced bucket by bucket and leaves the gather to the parameter
 buckets, desloc's averages the replicas between update and gather, acco's weighs the sums by
-counts, can be an estimate and gathers a change. :func:`step_now` is how a synchronous mode
-takes a step with its round, written once.
+counts, can be an estimate and gathers a change. :func:`step_now` is how a mode takes a step
+with its round at the boundary, written once.
 
 2-byte gradient sums (a bf16/fp16 model's, DeepSpeed's default ``grad_accum_dtype``) are reduced
 into this rank's own part of them, and AdamW reads them from there chunk by chunk: no fp32
@@ -290,16 +290,21 @@ class ShardedStepRound(StepRound):
 
 def step_now(ctx: ModeContext, rnd: StepRound,
              after_install: Optional[Callable[[StepRound], None]] = None) -> None:
-    """A synchronous mode's optimizer step with its round: pack it, run it on the training thread
-    (all of its time exposed: counted as waited for), install it, clear the gradient sums,
+    """An optimizer step taken with its round at the boundary: pack it, run it (on the training
+    thread, all of its time exposed: counted as waited for; or, where the mode has a comm worker,
+    zero1 with overlap, on its thread, after the buckets queued before it, waiting for it without
+    a host read of the device on the training thread), install it, clear the gradient sums,
     ``after_install(rnd)`` if given, and count the step."""
     rnd.pack()
-    t0 = time.perf_counter()
-    rnd.run()
-    seconds = time.perf_counter() - t0
-    ctx.stats.rounds += 1
-    ctx.stats.round_seconds += seconds
-    ctx.stats.host_wait_seconds += seconds
+    if ctx.worker is not None:
+        ctx.worker.wait(ctx.worker.submit(rnd))
+    else:
+        t0 = time.perf_counter()
+        rnd.run()
+        seconds = time.perf_counter() - t0
+        ctx.stats.rounds += 1
+        ctx.stats.round_seconds += seconds
+        ctx.stats.host_wait_seconds += seconds
     rnd.install()
     ctx.grads.zero_()
     if after_install is not None:
