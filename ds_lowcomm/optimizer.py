@@ -347,4 +347,6 @@ class LowCommOptimizer(torch.optim.Optimizer):
             self._load_loss_scaler_state(guard["loss_scaler"])
             self.skipped_steps = guard["skipped_steps"]
             self.consecutive_skips = guard["consecutive_skips"]
-        self.mode.restore(state_dict, shards, None if mine is None else mine["mode"])
+        # ``rank`` None means "saved at another layout", for every mode: a same-layout part the mode
+        # left empty (None) still comes as {}.
+        self.mode.restore(state_dict, shards, None if mine is None else (mine["mode"] or {}))

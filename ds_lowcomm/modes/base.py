@@ -24,7 +24,7 @@ class ModeState:
     #: layout by a :class:`~ds_lowcomm.checkpoint.ShardReader`
     sharded: Dict[str, torch.Tensor]
     #: state tied to this rank and the layout (world size, shard group size): into its own file;
-    #: None (or empty) when the mode has none
+    #: None when the mode has none (:meth:`Mode.restore` then gets {} at the same layout)
     rank: Optional[dict] = field(default=None)
 
 
@@ -114,7 +114,8 @@ class Mode(abc.ABC):
         (merged into the optimizer's metadata), or None to take only the fp32 master from
         ``shards`` (any mode's checkpoint: everything else restarts, the model gets the master);
         ``shards`` reads every saved rank's shards and per-rank part; ``rank`` this rank's
-        per-rank part when the checkpoint was saved with this run's layout, else None (the mode
+        per-rank part ({} where :meth:`state` saved None) when the checkpoint was saved with this
+        run's layout, else None (the mode
         rebuilds its per-rank state from ``shards``, where that has a meaning)."""
 
 

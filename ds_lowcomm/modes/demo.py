@@ -262,9 +262,9 @@ class Demo(Mode):
         yet (the model's weights are saved by DeepSpeed), and with a look-ahead in force each rank
         keeps its model parameters, its own look-ahead point (DeepSpeed saves rank 0's)."""
         pending = None if self.inflight is None else self.inflight.verdict()
-        rank = {}
+        rank = None
         if pending is not None and self.options.lookahead:
-            rank["lookahead_params"] = self.ctx.flat.buffer.clone()
+            rank = {"lookahead_params": self.ctx.flat.buffer.clone()}
         return ModeState(meta={"step": self.shard.step_count, "pending": pending},
                          sharded={"master": self.shard.master, "momentum": self.shard.momentum}, rank=rank)
 
