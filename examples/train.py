@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 import deepspeed
-import ds_lowcomm  # noqa: F401  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
+import ds_lowcomm  # (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
 from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 
@@ -139,7 +138,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.deepspeed is True or args.deepspeed is None:
         args.deepspeed = args.deepspeed_config
     if not args.deepspeed:
-        ap.error("a DeepSpeed config is required: --deepspeed ds_configs/zero1.json")
+        ap.error("a DeepSpeed config is required: --deepspeed ds_configs/zero1.json (or a shipped name: zero1)")
+    try:
+        args.deepspeed = ds_lowcomm.configs.resolve(args.deepspeed)
+    except FileNotFoundError as err:
+        ap.error(f"--deepspeed: {err}")
     if args.resume and not args.save_dir:
         ap.error("--resume needs --save-dir")
     if args.n_embd % args.n_head:
@@ -206,11 +209,30 @@ def evaluate(engine, tokens, args, rank, mbs, step, group) -> float:
     return mean_over_ranks(total.item() / args.eval_iters, group)
 
 
+def load_config(args) -> dict:
+    """The ``--deepspeed`` JSON, its LR schedule spanning ``--max-steps`` (as the bench runs it):
+    a ``total_num_steps`` that differs is set to ``--max-steps`` and the warm-up scaled with it,
+    with a one-line notice."""
+    with open(args.deepspeed) as f:
+        config = json.load(f)
+    params = config.get("scheduler", {}).get("params", {})
+    total = params.get("total_num_steps")
+    if total is not None and total != args.max_steps:
+        warmup = params.get("warmup_num_steps", 0)
+        params.update(total_num_steps=args.max_steps,
+                      warmup_num_steps=max(1, round(warmup * args.max_steps / total)) if warmup else 0)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"LR schedule resized to --max-steps {args.max_steps}: total_num_steps {total} -> "
+                  f"{args.max_steps}, warmup_num_steps {warmup} -> {params['warmup_num_steps']} "
+                  f"({args.deepspeed} is unchanged)", flush=True)
+    return config
+
+
 def deepspeed_engine(args, model):
     """The engine this script trains with: ``deepspeed.initialize`` on the ``--deepspeed`` JSON
     (with a ``"lowcomm"`` section, a ds_lowcomm engine)."""
     try:
-        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.deepspeed)[0]
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=load_config(args))[0]
     except ds_lowcomm.LowCommConfigError as err:
         sys.exit(f"error: {args.deepspeed}: {err}")
     except AssertionError as err:  # DeepSpeed checks its own config with asserts

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from contextlib import nullcontext
@@ -126,8 +125,7 @@ def main(argv=None) -> dict:
     args = train.parse_args(rest)
     if args.save_dir or args.resume:
         sys.exit("error: train_ddp.py does not checkpoint; drop --save-dir/--resume")
-    with open(args.deepspeed) as f:
-        config = json.load(f)
+    config = train.load_config(args)
     warmup = ours.powersgd_warmup
     if warmup is None:
         lr_warmup = config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)

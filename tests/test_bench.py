@@ -57,6 +57,54 @@ def test_link_rate_arithmetic():
     assert link_rate("two-node", 1.0, 1_000_000, 4) == ("4800kbit", 6e6)
 
 
+@pytest.mark.unit
+def test_bench_refuses_before_its_first_run(tmp_path, capsys):
+    """A --set no selected mode reads, and a config one mode's run would refuse (acco's odd
+    accumulation), end the bench in one line before any run starts."""
+    from ds_lowcomm.bench import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--modes", "zero1", "--set", "demo.topk=8"])
+    assert "--set demo.topk: no mode in --modes runs 'demo' (they run zero1)" in capsys.readouterr().err
+    cli.parse_args(["--modes", "zero1,demo", "--set", "demo.topk=8"])  # read by demo
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--modes", "zero1", "--slow-ranks", "5:3"])
+    assert "--slow-ranks names rank 5, but the bench runs ranks 0-1" in capsys.readouterr().err
+    assert cli.parse_args(["--slow-rank", "1:2"]).slow_rank == "1:2"  # the old spelling, an alias
+    args = cli.parse_args(["--modes", "zero1,acco", "--gas", "3", "--steps", "2", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^bench: --modes acco \(at 2 steps, .*\) would be refused: "
+                                         r"gradient_accumulation_steps"):
+        cli.check_runs(args, tmp_path)
+
+
+@pytest.mark.unit
+def test_bench_keeps_finished_runs_when_one_fails(tmp_path, monkeypatch):
+    """results.json after every run: a run that dies leaves the finished ones on disk, and the
+    bench ends in one line naming the run (here the runs themselves are recorded, not trained)."""
+    from ds_lowcomm.bench import cli
+
+    stop = [RuntimeError]
+
+    def run_one(args, mode, link, out, label, steps):
+        if mode == "acco":
+            raise stop[0](f"{label}: no JSON result line in the output:\n...")
+        return {"mode": mode, "world_size": 2, "steps": steps, "tokens_per_s": 1.0, "step_time_s": 1.0,
+                "val_loss": 3.0, "final_train_loss": 3.0, "tokens": 10, "records": [], "peak_rss_mb": 1.0}
+
+    monkeypatch.setattr(cli, "run_one", run_one)
+    monkeypatch.setattr(cli, "report", lambda config, results, out, *a: cli.save_results(config, results, out))
+    with pytest.raises(SystemExit, match=r"^bench: acco at 2 steps failed \(acco.2.0: no JSON result line"):
+        cli.main(["--modes", "zero1,demo,acco", "--steps", "2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["mode"] for r in saved["runs"]] == ["zero1", "demo"]
+    # Stopped outright (Ctrl-C here; a kill leaves the same file): what finished is on disk.
+    (tmp_path / "results.json").unlink()
+    stop[0] = KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["--modes", "zero1,demo,acco", "--steps", "2", "--out", str(tmp_path)])
+    assert [r["mode"] for r in json.loads((tmp_path / "results.json").read_text())["runs"]] == ["zero1", "demo"]
+
+
 @pytest.mark.integration
 def test_bench_tiny(tmp_path):
     """`--regime fast` (no link limit) with a tiny model, every mode and peer."""

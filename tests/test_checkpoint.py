@@ -27,9 +27,9 @@ def _train_and_save(rank, world, save_dir):
 def test_export_and_load_at_one_rank(tmp_path):
     r0, _ = run_ranks(_train_and_save, 2, str(tmp_path))
 
-    # The export CLI writes the fp32 master weights under every state_dict name.
+    # The export CLI, spelt as documented, writes the fp32 master weights under every state_dict name.
     out = tmp_path / "fp32.pt"
-    subprocess.run([sys.executable, "-m", "ds_lowcomm.checkpoint", "export", str(tmp_path), str(out)],
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ds-lowcomm-export"), str(tmp_path), str(out)],
                    check=True, capture_output=True)
     exported = torch.load(out)
     offset = 0
@@ -52,6 +52,18 @@ def test_export_and_load_at_one_rank(tmp_path):
                    check=True, capture_output=True)
     loaded = load_file(st)
     assert loaded.keys() == exported.keys() and all(torch.equal(loaded[k], exported[k]) for k in loaded)
+
+    # Stock DeepSpeed's way: the zero_to_fp32.py in the checkpoint directory, run from inside it,
+    # writes safetensors and the model's config.json, which from_pretrained reads.
+    subprocess.run([sys.executable, "zero_to_fp32.py", ".", "hf", "--safe_serialization"], cwd=tmp_path,
+                   check=True, capture_output=True)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    state = hf.state_dict()
+    assert state.keys() == exported.keys() and all(torch.equal(state[k], exported[k]) for k in state)
+    assert "--safe_serialization" in subprocess.run(
+        [sys.executable, "zero_to_fp32.py", "--help"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
 
     # The 2-rank checkpoint loads on 1 rank: same master, and training goes on from it.
     (one,) = run_ranks(_load_and_train_alone, 1, str(tmp_path))

@@ -199,6 +199,37 @@ def test_initialize_rejects_before_touching_distributed():
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.integration
+def test_a_config_is_a_path_or_a_shipped_name(tmp_path, monkeypatch):
+    """A missing config file is one line naming it (DeepSpeed 0.19.8 alone fails decoding it as
+    base64); a shipped config's name works from any directory; a DeepSpeed outside the supported
+    series is refused before anything starts."""
+    import deepspeed
+    import torch
+
+    import ds_lowcomm
+    from ds_lowcomm.integration import initialize as init
+    from workers import tiny_gpt2
+
+    monkeypatch.chdir(tmp_path)  # no ds_configs/ here
+    with pytest.raises(FileNotFoundError, match=r"^DeepSpeed config 'ds_config.json': no such file .* one of: "
+                                                r"acco_zero1, .*hf/zero1, zero1"):
+        deepspeed.initialize(model=tiny_gpt2(), config="ds_config.json")
+    repo = Path(__file__).resolve().parents[1] / "ds_configs"
+    for name in ("zero1", "zero1.json", "hf/acco", "ds_configs/demo_slow_link.json"):
+        shipped = ds_lowcomm.configs.path(name)
+        on_disk = repo / (name.removeprefix("ds_configs/").removesuffix(".json") + ".json")
+        assert Path(shipped).resolve() == on_disk.resolve(), name
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(LowCommConfigError, match=r"^DeepSpeed 0.20.1: ds_lowcomm runs on deepspeed>=0.19.8,<0.20"):
+        deepspeed.initialize(model=tiny_gpt2(), config="zero1")  # by name, from a directory without it
+    assert not torch.distributed.is_initialized()
+    init.check_deepspeed_version("0.19.8")
+    # setup.py asks pip for the same series
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert f'"deepspeed{init.DEEPSPEED_VERSIONS}"' in setup
+
+
 @pytest.mark.parametrize("key", ["lowcom", "low_comm", "LowComm", "low-comm", "lowcomms"])
 @pytest.mark.unit
 def test_a_misspelt_section_is_refused(key):

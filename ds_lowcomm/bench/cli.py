@@ -11,10 +11,10 @@ from typing import List
 
 from ds_lowcomm.bench.analysis import reload_runs, summarize
 from ds_lowcomm.bench.link import Link, TwoNodeLink
-from ds_lowcomm.bench.report import report
-from ds_lowcomm.bench.runs import (CONFIGS, FINETUNE, LOWCOMM_OPTIONS, MODELS, REGIMES, SYNC_STEPS, TRAIN, 
+from ds_lowcomm.bench.report import report, save_results
+from ds_lowcomm.bench.runs import (CONFIGS, FINETUNE, LOWCOMM_OPTIONS, MODELS, REGIMES, ROOT, SYNC_STEPS, TRAIN,
                                    TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
-                                   config_name, run_one)
+                                   config_name, run_one, write_config)
 
 
 def _setting(text: str):
@@ -72,8 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--data", default=None, help="text file (default: the built-in corpus)")
     ap.add_argument("--tokenizer", choices=["byte", "char"], default="byte")
     ap.add_argument("--eval-iters", type=int, default=10)
-    ap.add_argument("--slow-rank", default=None, metavar="RANK:FACTOR[,...]",
-                    help="uneven hardware: these ranks take FACTOR times as long per micro-batch")
+    ap.add_argument("--slow-ranks", "--slow-rank", dest="slow_rank", default=None, metavar="RANK:FACTOR[,...]",
+                    help="uneven hardware: these ranks take FACTOR times as long per micro-batch (the "
+                         "training scripts' spelling; --slow-rank is kept as an alias)")
     ap.add_argument("--acco-wait", action="store_true",
                     help="acco/dpu wait for the round in flight at each switch instead of computing more "
                          "micro-batches: exactly the tokens per step of zero1, for loss comparisons")
@@ -109,16 +110,64 @@ def parse_args(argv=None):
         args.slow_rank = "1:3"
     if args.world_size is None:
         args.world_size = 4 if args.regime == "two-node" else 2
+    if args.slow_rank:
+        try:
+            ranks = [int(part.split(":")[0]) for part in args.slow_rank.split(",") if part]
+        except ValueError:
+            ap.error(f"--slow-ranks {args.slow_rank}: expected RANK:FACTOR[,...], e.g. 1:3")
+        outside = [r for r in ranks if not 0 <= r < args.world_size]
+        if outside:
+            ap.error(f"--slow-ranks names rank {', '.join(map(str, outside))}, but the bench runs ranks "
+                     f"0-{args.world_size - 1} (--world-size {args.world_size})")
     if args.regime == "two-node" and (args.world_size < 4 or args.world_size % 2):
         ap.error(f"--regime two-node: --world-size {args.world_size} must be even and >= 4 (2 nodes)")
     if args.regime in ("fast", "uneven", "uneven-trainer") and (args.bandwidth or args.latency):
         ap.error(f"--regime {args.regime} has no link limit; drop --bandwidth/--latency or pick another regime")
     if trainer and args.tokenizer != "byte":
         ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
+    runs_modes = {m: _lowcomm_mode(m, args.regime) for m in args.mode_list}
+    for key, _ in args.set:
+        head = key.split(".")[0]
+        if "." in key and head not in runs_modes.values():
+            ap.error(f"--set {key}: no mode in --modes runs {head!r} (they run "
+                     f"{', '.join(sorted({v for v in runs_modes.values() if v})) or 'no lowcomm section'}); "
+                     f"add a {head} mode to --modes, or drop --set {key}")
+        if not any(runs_modes.values()):
+            ap.error(f"--set {key}: no mode in --modes has a \"lowcomm\" section; drop it")
     if not TRAIN.is_file() or (trainer and not FINETUNE.is_file()):
         ap.error(f"{TRAIN} not found: the bench runs examples/train.py with ds_configs/ of a source "
                  f"checkout; run it from the checkout's root (cd ds_lowcomm && python -m ds_lowcomm.bench)")
     return args
+
+
+def _lowcomm_mode(mode: str, regime) -> "str | None":
+    """The ds_lowcomm mode that bench mode ``mode`` runs (None: a peer without a "lowcomm" section)."""
+    name = config_name(mode, regime) if mode != "ideal" else None
+    if name is None or (regime == "uneven-trainer" and mode == "deepspeed"):
+        return None
+    return json.loads((ROOT / "ds_configs" / name).read_text()).get("lowcomm", {}).get("mode")
+
+
+def check_runs(args, out: Path) -> None:
+    """Every run's config, written as it will run and validated as ds_lowcomm validates it at
+    start-up, before the first run: a config one run would refuse ends the bench in one line
+    before it spends time on the others."""
+    from ds_lowcomm.config import LowCommConfig, LowCommConfigError, parse
+    from ds_lowcomm.modes import MODES
+
+    for steps in args.budgets:
+        for mode in args.mode_list:
+            path = write_config(mode, args, out, steps) if mode != "ideal" else None
+            cfg = json.loads(path.read_text()) if path is not None else {}
+            if "lowcomm" not in cfg:
+                continue
+            try:
+                if args.regime == "uneven-trainer":  # the Trainer fills the "auto" values from its flags
+                    LowCommConfig.from_dict(cfg["lowcomm"], MODES)
+                else:
+                    parse(cfg, MODES)
+            except LowCommConfigError as err:
+                raise SystemExit(f"bench: --modes {mode} (at {steps} steps, {path}) would be refused: {err}") from None
 
 
 def main(argv=None) -> dict:
@@ -132,6 +181,7 @@ def main(argv=None) -> dict:
     _stop_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    check_runs(args, out)
     if args.regime in SYNC_STEPS and not args.bandwidth:
         args.bandwidth = calibrate(args, out)
     link = (TwoNodeLink if args.regime == "two-node" else Link)(args.bandwidth, args.latency)
@@ -159,9 +209,17 @@ def main(argv=None) -> dict:
                     if done:
                         eta = f", ETA {(time.monotonic() - t_start) / done * (total - done) / 60:.1f} min"
                     print(f"[{done + 1}/{total}] {mode}, {steps} steps (run {rep + 1}/{args.repeat}{eta})", flush=True)
-                    runs.append(run_one(args, mode, link, out, f"{mode}.{steps}.{rep}", steps))
+                    try:
+                        runs.append(run_one(args, mode, link, out, f"{mode}.{steps}.{rep}", steps))
+                    except RuntimeError as err:  # a run that ended without its result line
+                        if results:
+                            report(config, results, out, args.target, args.target_budget)
+                        raise SystemExit(f"bench: {mode} at {steps} steps failed ({str(err).splitlines()[0]}); "
+                                         f"its log is in {out / 'logs'}; {len(results)} finished run(s) kept in "
+                                         f"{out / 'results.json'}") from None
                     done += 1
                 results.append(summarize(mode, runs, link.bandwidth, steps))
+                save_results(config, results, out)
     finally:
         link.close()
     return report(config, results, out, args.target, args.target_budget)

@@ -123,6 +123,16 @@ def plots(runs: List[dict], out: Path, target: Optional[float]) -> List[str]:
     return made
 
 
+def save_results(config: dict, results: List[dict], out: Path) -> dict:
+    """``results.json`` of the runs so far (written after every run, so a bench stopped midway
+    keeps what it finished: ``--retarget`` reports from it); returns what it wrote."""
+    drop = ("records", "all_records")
+    payload = {"config": config, "runs": [{k: v for k, v in r.items() if k not in drop} for r in results],
+               "best": [{k: v for k, v in r.items() if k not in drop} for r in best_per_mode(results)]}
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    return payload
+
+
 def report(config: dict, results: List[dict], out: Path, target: Optional[float],
            target_budget: Optional[int]) -> dict:
     """Time to target for every run, then results.json, results.md and the plots in ``out``."""
@@ -134,10 +144,7 @@ def report(config: dict, results: List[dict], out: Path, target: Optional[float]
         config.update(target=found[0], target_source=found[1])
     if config.get("target") is not None:
         apply_target(results, config["target"])
-    drop = ("records", "all_records")
-    payload = {"config": config, "runs": [{k: v for k, v in r.items() if k not in drop} for r in results],
-               "best": [{k: v for k, v in r.items() if k not in drop} for r in best_per_mode(results)]}
-    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    payload = save_results(config, results, out)
     table = markdown(config, results)
     (out / "results.md").write_text(table)
     made = plots(results, out, config.get("target"))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ds_lowcomm.checkpoint.files import (MODEL_FILE, CheckpointError, atomic_save, atomic_write_text,
                                          file_record, fsync_parent_dir, rank_file_name, resolve_tag, safe_load, verify_files,
                                          write_manifest)
+from ds_lowcomm.checkpoint.export import write_recovery_files
 from ds_lowcomm.checkpoint.migrate import check_loadable, reader_for
 from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model
 
@@ -106,13 +107,16 @@ class Checkpointer:
     """Saves and loads one rank's part of a checkpoint of a
     :class:`~ds_lowcomm.optimizer.LowCommOptimizer` (``optimizer``), beside DeepSpeed's files.
 
-    ``rank`` is the global rank, ``device`` where per-rank state is loaded to. Both methods are
+    ``rank`` is the global rank, ``device`` where per-rank state is loaded to, ``model_config``
+    the model's Hugging Face config as JSON (None without one): rank 0 writes it, and a
+    ``zero_to_fp32.py`` that converts our checkpoints, into every save directory. Both methods are
     collective over the default process group, and so is construction with ``async_save`` (it
     creates the private gloo group the background saves agree on)."""
 
     def __init__(self, optimizer: Checkpointed, rank: int, device, async_save: bool = False,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, model_config: Optional[str] = None) -> None:
         self.optimizer, self.rank, self.device = optimizer, rank, device
+        self.model_config = model_config
         self.async_save = async_save
         self._pool: Optional[ThreadPoolExecutor] = None
         self._group = None
@@ -165,6 +169,8 @@ class Checkpointer:
                 shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
         dist.barrier()
         out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
+        if self.rank == 0:
+            write_recovery_files(save_dir, self.model_config)
         if not self.async_save:
             self._publish(self.optimizer.rank_state_dict(), write_dir, tag_dir, save_dir, tag, save_latest, None)
             return out

@@ -6,29 +6,71 @@
 """
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import inspect
+import json
+import os
 from datetime import timedelta
 
 import deepspeed
 import torch
 
+from ds_lowcomm import configs
 from ds_lowcomm.config import SECTION, LowCommConfigError, check_section_name, parse
 from ds_lowcomm.modes import MODES
 
 _original_initialize = deepspeed.initialize
+#: the DeepSpeed releases ds_lowcomm runs on (setup.py's install_requires names the same): it
+#: overrides engine internals of this series (``_configure_optimizer``, the boundary and backward
+#: hooks), whose private names DeepSpeed may change in any minor release. Tested on 0.19.8.
+DEEPSPEED_VERSIONS = ">=0.19.8,<0.20"
+
+
+def check_deepspeed_version(version: str) -> None:
+    """Raise :class:`LowCommConfigError` in one line when DeepSpeed ``version`` is outside
+    :data:`DEEPSPEED_VERSIONS`."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if Version(version) not in SpecifierSet(DEEPSPEED_VERSIONS):
+        raise LowCommConfigError(f"DeepSpeed {version}: ds_lowcomm runs on deepspeed{DEEPSPEED_VERSIONS} (tested "
+                                 f"on 0.19.8); install one (pip install 'deepspeed{DEEPSPEED_VERSIONS}'), or "
+                                 f"remove the \"{SECTION}\" section to train stock DeepSpeed")
+
+
+def _is_base64_json(text: str) -> bool:
+    try:
+        json.loads(base64.urlsafe_b64decode(text))
+        return True
+    except (ValueError, TypeError):
+        return False
 
 
 def _resolve_config(bound: inspect.BoundArguments):
-    """The config dict DeepSpeed would use: ``config`` / ``config_params`` / ``args.deepspeed_config``."""
+    """The config dict DeepSpeed would use: ``config`` / ``config_params`` / ``args.deepspeed_config``.
+
+    A string that is neither a file nor base64 JSON (DeepSpeed's two readings of a string) is a
+    shipped config's name (:mod:`ds_lowcomm.configs`): it is replaced by that file's path where it
+    was given, for DeepSpeed too. Anything else raises ``FileNotFoundError`` in one line, where
+    DeepSpeed 0.19.8 would fail decoding it as base64."""
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     a = bound.arguments
-    config = a.get("config") if a.get("config") is not None else a.get("config_params")
+    key = "config" if a.get("config") is not None else "config_params"
+    config = a.get(key)
     args = a.get("args")
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
+    from_args = config is None and getattr(args, "deepspeed_config", None) is not None
+    if from_args:
         config = args.deepspeed_config
+    if isinstance(config, (str, os.PathLike)) and not os.path.isfile(config) and not _is_base64_json(str(config)):
+        config = configs.resolve(str(config))
+        if from_args:
+            a["args"] = copy.copy(args)
+            a["args"].deepspeed_config = config
+        else:
+            a[key] = config
     return None if config is None else load_ds_config(config)
 
 
@@ -57,7 +99,8 @@ def initialize(*args, **kwargs):
     if ds_config is not None:
         check_section_name(ds_config)
     if ds_config is None or SECTION not in ds_config:
-        return _original_initialize(*args, **kwargs)
+        return _original_initialize(*bound.args, **bound.kwargs)
+    check_deepspeed_version(deepspeed.__version__)
     cfg = parse(ds_config, MODES)
     a = bound.arguments
     if a.get("model") is None:

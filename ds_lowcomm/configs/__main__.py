@@ -1,0 +1,5 @@
+import sys
+
+from ds_lowcomm.configs import main
+
+sys.exit(main())
