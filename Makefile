@@ -15,7 +15,7 @@ CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
 install: $(VENV)/.installed
 
-SOURCES := setup.py ds_lowcomm_autoload.py ds_lowcomm_autoload.pth $(shell find ds_lowcomm -name '*.py')
+SOURCES := setup.py ds_lowcomm_autoload.py ds_lowcomm_autoload.pth $(shell find ds_lowcomm -name '*.py' -o -name '*.json')
 
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

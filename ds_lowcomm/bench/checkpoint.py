@@ -4,7 +4,7 @@
     python -m ds_lowcomm.bench.checkpoint --model tiny          # smoke run, a minute or two
     python -m ds_lowcomm.bench.checkpoint --bf16 --configs deepspeed,zero1 --out ckpt_bench
 
-Run it from the root of a source checkout (it reads ``ds_configs/``). For each config (stock
+Runs from a checkout or an install (the configs ship in the package). For each config (stock
 ``deepspeed_zero1.json`` and the ds_lowcomm ``zero1``, ``acco``, ``demo``, ``desloc`` JSONs, their
 ``"lowcomm"`` sections kept, micro-batch and accumulation made small) it launches
 ``--world-size`` ranks with ``torch.distributed.run`` on the CPU (gloo), trains ``--steps`` steps
@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from ds_lowcomm import configs
 from ds_lowcomm.bench.link import Link, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,7 +237,7 @@ def worker(args) -> None:
 # -- parent: one launch per config ---------------------------------------------------------------------
 
 def write_config(label: str, args, out: Path) -> Path:
-    cfg = json.loads((ROOT / "ds_configs" / CONFIGS[label]).read_text())
+    cfg = json.loads(Path(configs.path(CONFIGS[label])).read_text())
     cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     cfg["gradient_accumulation_steps"] = args.gas
     if "scheduler" in cfg:
@@ -253,7 +254,7 @@ def write_config(label: str, args, out: Path) -> Path:
 
 def shard_group_size(label: str, world: int) -> int:
     """Ranks sharing one copy of the optimizer state (the world for stock, zero1, acco)."""
-    section = json.loads((ROOT / "ds_configs" / CONFIGS[label]).read_text()).get("lowcomm") or {}
+    section = json.loads(Path(configs.path(CONFIGS[label])).read_text()).get("lowcomm") or {}
     return section.get("shard_group_size") or world
 
 
@@ -267,14 +268,14 @@ def run_config(args, label: str, link: Link, out: Path, rep: int) -> dict:
            "--steps", str(args.steps), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.setdefault("DS_ACCELERATOR", "cpu")
-    # The source checkout first: the worker must import this module (and the package it measures)
-    # from the checkout, not from an older installed copy.
+    # Where this module was imported from first (a source checkout, or site-packages): the worker
+    # must import the package it measures from there, not from another installed copy.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     log = out / "logs" / f"{label}.{rep}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         # Own session: a timeout ends the launcher and its ranks, and nothing else.
-        proc = subprocess.Popen(link.prefix() + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+        proc = subprocess.Popen(link.prefix() + cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             proc.wait(timeout=args.timeout)
@@ -462,8 +463,6 @@ def parse_args(argv=None):
         ap.error(f"--bandwidth {args.bandwidth!r}: expected a tc rate such as 100mbit, 1gbit, 12mbps, or 'none'")
     if args.latency is not None and not re.match(r"^\d+(\.\d+)?(s|ms|us)$", args.latency):
         ap.error(f"--latency {args.latency!r}: expected a delay such as 5ms")
-    if not all((ROOT / "ds_configs" / CONFIGS[c]).is_file() for c in args.config_list):
-        ap.error(f"{ROOT / 'ds_configs'}: the configs are not there; run from the root of a source checkout")
     return args
 
 

@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 from typing import List
 
+from ds_lowcomm import configs
 from ds_lowcomm.bench.analysis import reload_runs, summarize
 from ds_lowcomm.bench.link import Link, TwoNodeLink
 from ds_lowcomm.bench.report import report, save_results
-from ds_lowcomm.bench.runs import (CONFIGS, FINETUNE, LOWCOMM_OPTIONS, MODELS, REGIMES, ROOT, SYNC_STEPS, TRAIN,
+from ds_lowcomm.bench.runs import (CONFIGS, LOWCOMM_OPTIONS, MODELS, REGIMES, SYNC_STEPS,
                                    TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
                                    config_name, run_one, write_config)
 
@@ -134,9 +135,6 @@ def parse_args(argv=None):
                      f"add a {head} mode to --modes, or drop --set {key}")
         if not any(runs_modes.values()):
             ap.error(f"--set {key}: no mode in --modes has a \"lowcomm\" section; drop it")
-    if not TRAIN.is_file() or (trainer and not FINETUNE.is_file()):
-        ap.error(f"{TRAIN} not found: the bench runs examples/train.py with ds_configs/ of a source "
-                 f"checkout; run it from the checkout's root (cd ds_lowcomm && python -m ds_lowcomm.bench)")
     return args
 
 
@@ -145,7 +143,7 @@ def _lowcomm_mode(mode: str, regime) -> "str | None":
     name = config_name(mode, regime) if mode != "ideal" else None
     if name is None or (regime == "uneven-trainer" and mode == "deepspeed"):
         return None
-    return json.loads((ROOT / "ds_configs" / name).read_text()).get("lowcomm", {}).get("mode")
+    return json.loads(Path(configs.path(name)).read_text()).get("lowcomm", {}).get("mode")
 
 
 def check_runs(args, out: Path) -> None:

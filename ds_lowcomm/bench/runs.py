@@ -13,20 +13,24 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from ds_lowcomm import configs
 from ds_lowcomm.bench.analysis import ideal_records, read_records
 from ds_lowcomm.bench.link import Link, free_port
 
 
+#: the folder ds_lowcomm is imported from (a source checkout, or site-packages): on the runs'
+#: PYTHONPATH, so they train with the same code as the bench
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-TRAIN = ROOT / "examples" / "train.py"
+TRAIN = EXAMPLES / "train.py"
 
 
-FINETUNE = ROOT / "examples" / "finetune_hf.py"
+FINETUNE = EXAMPLES / "finetune_hf.py"
 
 
-TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
+TRAIN_DDP = EXAMPLES / "train_ddp.py"
 
 
 CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd": "deepspeed_zero1.json",
@@ -96,7 +100,7 @@ def write_config(mode: str, args, out: Path, steps: int) -> Optional[Path]:
     name = config_name(mode, args.regime)
     if name is None:
         return None
-    cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+    cfg = json.loads(Path(configs.path(name)).read_text())
     if args.regime == "uneven-trainer":
         # the Trainer fills the "auto" batch sizes from the script's flags and builds its own
         # optimizer and LR schedule (warm-up a tenth, cosine), spanning --max-steps: the budget
@@ -177,7 +181,8 @@ def trainer_command(args, config: Optional[Path], log_json: Path, steps: int, ou
 def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> dict:
     """One training of ``steps`` optimizer steps; returns its result JSON (plus the records)."""
     config = write_config(mode, args, out, steps)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -186,7 +191,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
         log_json.unlink(missing_ok=True)
         output_dir = out / "hf_runs" / label  # the Trainer's output (the final model): removed after
         proc = _launch(trainer_command(args, config, log_json, steps, output_dir), env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         text = _follow(proc, label)
         (logs / f"{label}.log").write_text(text)
         shutil.rmtree(output_dir, ignore_errors=True)
@@ -209,7 +214,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
             cmd = train_command(args, mode, config, 1, log_json, f"0:{slow[str(r)]}" if str(r) in slow else "",
                                 link, steps)
             procs.append(_launch(link.prefix() + cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+                                          stderr=subprocess.STDOUT, text=True))
         outs = [_follow(p, f"{label} rank {r}", quiet=r > 0) for r, p in enumerate(procs)]
         for r, text in enumerate(outs):
             (logs / f"{label}.rank{r}.log").write_text(text)
@@ -230,7 +235,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
     if link.nodes == 1:
         cmd = train_command(args, mode, config, args.world_size, log_json, args.slow_rank or "", link, steps)
         proc = _launch(link.prefix() + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, cwd=ROOT)
+                                text=True)
         text = _follow(proc, label)
         link_bytes = None
     else:  # one launcher per node, each in its namespace; node 0 holds rank 0 (the results)
@@ -244,7 +249,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
             # Other nodes write to a file: an unread pipe would fill and stall them.
             sink = subprocess.PIPE if node == 0 else open(logs / f"{label}.node{node}.log", "w")
             procs.append(_launch(link.prefix(node) + cmd, env=dict(env, **link.node_env(node)),
-                                          stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+                                          stdout=sink, stderr=subprocess.STDOUT, text=True))
         text = _follow(procs[0], label)
         for node, p in enumerate(procs[1:], 1):
             if p.wait() != 0:

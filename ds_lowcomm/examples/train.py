@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-import deepspeed
-import ds_lowcomm  # (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, also under python -m
+import deepspeed  # noqa: E402
+import ds_lowcomm  # noqa: E402  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
 from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 
