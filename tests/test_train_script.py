@@ -48,6 +48,7 @@ def test_train_save_resume_and_report(tmp_path):
     assert straight["tokens"] == 6 * 8 * 4 * 2 * 32
     assert straight["bytes_sent_per_rank_per_step"] > 0
     assert "step 4/6 | loss" in log and "tok/s" in log and "MB/step" in log and "val loss" in log
+    assert "before it has started" not in log  # DeepSpeed's per-rank scheduler warning, silenced
 
     torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "3", "--data", str(data),
              "--save-dir", ckpt)
@@ -56,6 +57,26 @@ def test_train_save_resume_and_report(tmp_path):
     assert "resumed from" in log
     assert resumed["final_train_loss"] == straight["final_train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_a_damaged_checkpoint_ends_every_rank_cleanly(tmp_path):
+    """--resume from a checkpoint whose rank file changed: every rank exits 1 with one line,
+    none is aborted in a destructor (gloo's "terminate called ..."), over three tries."""
+    ckpt = tmp_path / "ckpt"
+    torchrun("--deepspeed", "zero1", "--max-steps", "2", "--eval-every", "0", "--save-dir", str(ckpt))
+    (rank_file,) = ckpt.glob("*/lowcomm_rank1.pt")
+    data = bytearray(rank_file.read_bytes())
+    data[-100] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(__import__("dist").free_port()), SCRIPT, *SMALL, "--deepspeed",
+                               "zero1", "--max-steps", "4", "--save-dir", str(ckpt), "--resume"],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        errors = [l for l in proc.stderr.splitlines() if l.startswith("error: --resume:")]
+        assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]  # one line per rank
+        assert "lowcomm_rank1.pt" in errors[0] and "terminate called" not in proc.stderr
+        assert "exitcode  : 1" in proc.stderr and "Signal 6" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_stock_deepspeed_with_deepspeed_launcher_and_flag_form():

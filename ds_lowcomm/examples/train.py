@@ -140,10 +140,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.deepspeed = args.deepspeed_config
     if not args.deepspeed:
         ap.error("a DeepSpeed config is required: --deepspeed ds_configs/zero1.json (or a shipped name: zero1)")
-    try:
-        args.deepspeed = ds_lowcomm.configs.resolve(args.deepspeed)
-    except FileNotFoundError as err:
-        ap.error(f"--deepspeed: {err}")
     if args.resume and not args.save_dir:
         ap.error("--resume needs --save-dir")
     if args.n_embd % args.n_head:
@@ -211,9 +207,14 @@ def evaluate(engine, tokens, args, rank, mbs, step, group) -> float:
 
 
 def load_config(args) -> dict:
-    """The ``--deepspeed`` JSON, its LR schedule spanning ``--max-steps`` (as the bench runs it):
+    """The ``--deepspeed`` JSON (a path, or a shipped config's name: :mod:`ds_lowcomm.configs`),
+    its LR schedule spanning ``--max-steps`` (as the bench runs it):
     a ``total_num_steps`` that differs is set to ``--max-steps`` and the warm-up scaled with it,
     with a one-line notice."""
+    try:
+        args.deepspeed = ds_lowcomm.configs.resolve(args.deepspeed)  # a path, or a shipped config's name
+    except FileNotFoundError as err:
+        sys.exit(f"error: --deepspeed: {err}")
     with open(args.deepspeed) as f:
         config = json.load(f)
     params = config.get("scheduler", {}).get("params", {})
@@ -238,6 +239,15 @@ def deepspeed_engine(args, model):
         sys.exit(f"error: {args.deepspeed}: {err}")
     except AssertionError as err:  # DeepSpeed checks its own config with asserts
         sys.exit(f"error: {args.deepspeed}: DeepSpeed refused the config: {err}")
+
+
+def stop(engine, message: str) -> None:
+    """Exit with ``message`` (one line on stderr), every rank alike: the engine and the process
+    group torn down first, so no rank dies in a destructor (gloo aborts a process that exits with
+    its group alive) while another still waits."""
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+    sys.exit(message)
 
 
 def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
@@ -276,14 +286,14 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     if args.resume:
         try:
             _, client = engine.load_checkpoint(args.save_dir)
-        except ds_lowcomm.CheckpointError as err:
-            sys.exit(f"error: --resume: {err}")
+        except ds_lowcomm.CheckpointError as err:  # every rank gets the same verdict
+            stop(engine, f"error: --resume: {err}")
         if client is None:  # stock DeepSpeed only warns when there is no checkpoint
-            sys.exit(f"error: --resume: no checkpoint found in {args.save_dir}")
+            stop(engine, f"error: --resume: no checkpoint found in {args.save_dir}")
         start = engine.global_steps
         if start >= args.max_steps:
-            sys.exit(f"error: --resume: the checkpoint in {args.save_dir} is at step {start}, not before "
-                     f"--max-steps {args.max_steps}; raise --max-steps to train further")
+            stop(engine, f"error: --resume: the checkpoint in {args.save_dir} is at step {start}, not before "
+                         f"--max-steps {args.max_steps}; raise --max-steps to train further")
         say(f"resumed from {args.save_dir} at step {start}", flush=True)
 
     meter = ByteMeter(engine)

@@ -11,6 +11,7 @@ import copy
 import functools
 import inspect
 import json
+import logging
 import os
 from datetime import timedelta
 
@@ -135,10 +136,22 @@ def initialize(*args, **kwargs):
     install_trainer_hooks()  # a no-op unless the Hugging Face Trainer is loaded
     # DeepSpeed's initialize builds ``DeepSpeedEngine(...)`` by its module-level name.
     saved, deepspeed.DeepSpeedEngine = deepspeed.DeepSpeedEngine, functools.partial(LowCommEngine, lowcomm_config=cfg)
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.addFilter(_quiet)
     try:
         return _original_initialize(*bound.args, **bound.kwargs)
     finally:
         deepspeed.DeepSpeedEngine = saved
+        ds_logger.removeFilter(_quiet)
+
+
+#: DeepSpeed (0.19.8) warnings, once per rank while the engine is built, that say nothing to a
+#: user of ours: its LR schedulers read their rate at construction, before their first step.
+QUIET = ("Attempting to get learning rate from scheduler before it has started",)
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    return not any(record.getMessage().startswith(q) for q in QUIET)
 
 
 def install() -> None:
