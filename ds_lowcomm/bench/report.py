@@ -104,17 +104,32 @@ def plots(runs: List[dict], out: Path, target: Optional[float]) -> List[str]:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [f"{r['mode']}@{r['steps']}" for r in runs]
-    exposed = [r["exposed_comm_s_per_step"] or 0.0 for r in runs]
+    x = list(range(len(runs)))
+    # A value a run did not measure (the peers have no library accounting; no namespace, no link
+    # counters) is written "not measured" where its bar would be, never drawn as zero or one.
+    exposed = [r["exposed_comm_s_per_step"] for r in runs]
     total = [r["step_time_s"] for r in runs]
-    a.bar(names, [t - e for t, e in zip(total, exposed)], label="compute (and hidden comm)")
-    a.bar(names, exposed, bottom=[t - e for t, e in zip(total, exposed)], label="exposed comm")
+    compute = [t - (e or 0.0) for t, e in zip(total, exposed)]
+    a.bar(x, compute, label="compute (and hidden comm)")
+    a.bar(x, [e or 0.0 for e in exposed], bottom=compute, label="exposed comm")
+    for i, e in enumerate(exposed):
+        if e is None:
+            a.annotate("comm not measured", (i, total[i] / 2), ha="center", va="center", fontsize=6, rotation=90,
+                       color="white")
     a.set(ylabel="seconds per step", title="time per step")
     a.legend()
-    link = [max(r["link_bytes_per_step"] or r["bytes_sent_per_rank_per_step"] or 0, 1) for r in runs]
-    b.bar(names, link)
+    sent = [r["link_bytes_per_step"] if r["link_bytes_per_step"] is not None else r["bytes_sent_per_rank_per_step"]
+            for r in runs]
+    b.bar([i for i, v in zip(x, sent) if v], [v for v in sent if v])
     b.set_yscale("log")
+    for i, v in enumerate(sent):
+        if not v:
+            b.annotate("not measured" if v is None else "none", (i, 0.03), xycoords=("data", "axes fraction"),
+                       ha="center", va="bottom", fontsize=6, rotation=90)
     b.set(ylabel="bytes per rank per step (link, else accounting)", title="bytes per step (log)")
     for ax in (a, b):
+        ax.set_xticks(x, names)
+        ax.set_xlim(-0.5, len(runs) - 0.5)
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.tight_layout()
     fig.savefig(out / "step_time_and_bytes.png", dpi=110)
