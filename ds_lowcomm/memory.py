@@ -54,7 +54,7 @@ def release_freed_heap() -> None:
     blocks below its mmap threshold (32 MiB at most), so the per-parameter gradients autograd
     frees after each backward (fp32 sums of a bf16/fp16 model: see ``GradAccumulator``) stay
     resident and add up to tens of MB of peak RSS that no tensor uses. It is not free: the next
-    backward faults every released page back in (see the README's fast regime). Other
+    backward faults every released page back in (docs/benchmarks.md, the fast regime). Other
     accelerators keep tensors in device memory: call it on CPU only.
     """
     if _MALLOC_TRIM is not None:

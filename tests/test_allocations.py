@@ -1,6 +1,6 @@
 """No parameter-sized temporary in any mode's step: an allocation audit of two steps per mode.
 
-Persistent buffers (the formulas of the README's "Memory per GPU") are allocated when the engine
+Persistent buffers (the formulas of docs/benchmarks.md, "Memory per GPU") are allocated when the engine
 is built; what a step allocates beyond them must be bounded by chunk and bucket sizes, never by
 the model, except the step buffers a mode's formula names (``STEP_BUFFERS``). A
 ``TorchDispatchMode`` on the training thread and on the comm worker's thread records every op's
@@ -21,7 +21,7 @@ from ds_lowcomm.shard.buckets import BUCKET_BYTES
 pytestmark = pytest.mark.integration
 
 MODES = workers.STEP_MODES
-#: step buffers of a shard's size that a mode's formula counts (README, "Memory per GPU"), as
+#: step buffers of a shard's size that a mode's formula counts (docs/benchmarks.md, "Memory per GPU"), as
 #: (allocating function, op, dtype): acco's estimate round writes the estimated parameters into a
 #: shard in the model's dtype (p/W); DeMo's round builds the new δ beside the old one (4/S) and
 #: its codec holds the tiled shard, the decoded sums and their counts, the dense decode (fp32)

@@ -17,7 +17,7 @@ Tiles (``tiling``, see ds_lowcomm.modes.dct): by default each weight matrix's wh
 tiled on the matrix's own rows and columns (the reference DeMo's 2-D tiling), the rest flat;
 ``"flat"`` tiles the flat shard whatever the parameter boundaries (as torchtitan-lowcomms does).
 Matrix tiling gave 0.2–0.5% lower loss in each of four measured settings for ~1% more payload
-(README). Either way any parameter shape works and the shard split is free.
+(docs/modes/demo.md). Either way any parameter shape works and the shard split is free.
 
 Bytes across replica groups per rank and step: (R−1)·payload sent and received, payload =
 ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's bytes with chunk 64, top 32, bf16
@@ -178,7 +178,7 @@ class Demo(Mode):
                 "lowcomm.demo.lookahead: the look-ahead of demo.overlap needs the whole momentum on "
                 f"each rank (shard_group_size 1, got {cfg.shard_group_size}); set demo.lookahead "
                 "to false to overlap without it (the one-step-delayed update then costs loss, see "
-                "the README)")
+                "docs/modes/demo.md)")
 
     def __init__(self, ctx: ModeContext, options: DemoOptions) -> None:
         super().__init__(ctx, options)
