@@ -71,7 +71,11 @@ def _audit(rank, world):
         model = workers.tiny_gpt2(n_layer=2, n_embd=1024)
         # One parameter's gradient is as large as the parameter: the largest one sets the bound.
         limit = max(LIMIT, max(p.numel() for p in model.parameters()))
-        engine = workers.build_engine(workers.config(mode.split("-")[0], bf16=True, **options), model=model)
+        cfg = workers.config(mode.split("-")[0], bf16=True, **options)
+        # One sequence per micro-batch: bf16 matmuls are slow on a CPU, and the step's buffers,
+        # which this audits, do not depend on the batch.
+        cfg["train_micro_batch_size_per_gpu"] = 1
+        engine = workers.build_engine(cfg, model=model)
         workers.train(engine, 2, rank=rank)  # warm: first-step allocations
         found.clear()
         worker.CommWorker._execute = audited

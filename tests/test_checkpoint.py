@@ -15,6 +15,7 @@ from dist import run_ranks
 pytestmark = pytest.mark.integration
 
 N = 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_and_save(rank, world, save_dir):
@@ -27,10 +28,12 @@ def _train_and_save(rank, world, save_dir):
 def test_export_and_load_at_one_rank(tmp_path):
     r0, _ = run_ranks(_train_and_save, 2, str(tmp_path))
 
-    # The export CLI, spelt as documented, writes the fp32 master weights under every state_dict name.
+    # The export CLI, spelt as documented, writes the fp32 master weights under every state_dict
+    # name (this checkout's code: the console script imports the package from PYTHONPATH first).
     out = tmp_path / "fp32.pt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "ds-lowcomm-export"), str(tmp_path), str(out)],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=env)
     exported = torch.load(out)
     offset = 0
     for names in r0["names"]:
@@ -56,14 +59,15 @@ def test_export_and_load_at_one_rank(tmp_path):
     # Stock DeepSpeed's way: the zero_to_fp32.py in the checkpoint directory, run from inside it,
     # writes safetensors and the model's config.json, which from_pretrained reads.
     subprocess.run([sys.executable, "zero_to_fp32.py", ".", "hf", "--safe_serialization"], cwd=tmp_path,
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=env)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     state = hf.state_dict()
     assert state.keys() == exported.keys() and all(torch.equal(state[k], exported[k]) for k in state)
     assert "--safe_serialization" in subprocess.run(
-        [sys.executable, "zero_to_fp32.py", "--help"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+        [sys.executable, "zero_to_fp32.py", "--help"], cwd=tmp_path, check=True, capture_output=True, text=True,
+        env=env).stdout
 
     # The 2-rank checkpoint loads on 1 rank: same master, and training goes on from it.
     (one,) = run_ranks(_load_and_train_alone, 1, str(tmp_path))

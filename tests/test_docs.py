@@ -96,9 +96,13 @@ def test_every_documented_command_parses():
             checked += 1
             known = _flags(SCRIPTS[script])
             where = f"{page.relative_to(ROOT)}:{line}"
-            for tok in args:
+            for i, tok in enumerate(args):
                 if tok in SHELL_END:
                     break
+                if i and args[i - 1] == "--deepspeed" and not tok.startswith(("-", "(", "$", "/")) \
+                        and "<" not in tok and tok.isascii() and tok.upper() != tok \
+                        and not (ROOT / tok).is_file() and configs.path(tok) is None:
+                    problems.append(f"{where}: --deepspeed {tok}: no such file or shipped config")
                 flag = tok.split("=")[0]
                 if flag.startswith("--") and flag not in known:
                     problems.append(f"{where}: {script} has no {flag}")

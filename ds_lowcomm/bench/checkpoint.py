@@ -268,9 +268,10 @@ def run_config(args, label: str, link: Link, out: Path, rep: int) -> dict:
            "--steps", str(args.steps), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.setdefault("DS_ACCELERATOR", "cpu")
-    # Where this module was imported from first (a source checkout, or site-packages): the worker
-    # must import the package it measures from there, not from another installed copy.
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    # From a source checkout, the checkout first: the worker must import the package it measures
+    # from there, not from an installed copy (an install's worker finds its own package).
+    if (ROOT / "setup.py").is_file():
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     log = out / "logs" / f"{label}.{rep}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:

@@ -140,7 +140,7 @@ def parse_args(argv=None):
 
 def _lowcomm_mode(mode: str, regime) -> "str | None":
     """The ds_lowcomm mode that bench mode ``mode`` runs (None: a peer without a "lowcomm" section)."""
-    name = config_name(mode, regime) if mode != "ideal" else None
+    name = config_name(mode, regime)  # "ideal" runs zero1's config on single-rank trainings
     if name is None or (regime == "uneven-trainer" and mode == "deepspeed"):
         return None
     return json.loads(Path(configs.path(name)).read_text()).get("lowcomm", {}).get("mode")
@@ -155,7 +155,7 @@ def check_runs(args, out: Path) -> None:
 
     for steps in args.budgets:
         for mode in args.mode_list:
-            path = write_config(mode, args, out, steps) if mode != "ideal" else None
+            path = write_config(mode, args, out, steps)
             cfg = json.loads(path.read_text()) if path is not None else {}
             if "lowcomm" not in cfg:
                 continue
@@ -198,6 +198,7 @@ def main(argv=None) -> dict:
                      else ""), flush=True)
     total = len(args.mode_list) * len(args.budgets) * args.repeat
     done, t_start, results = 0, time.monotonic(), []
+    save_results(config, results, out)  # an earlier bench's results.json in --out is not this one's
     try:
         for steps in args.budgets:
             for mode in args.mode_list:

@@ -18,9 +18,10 @@ from ds_lowcomm.bench.analysis import ideal_records, read_records
 from ds_lowcomm.bench.link import Link, free_port
 
 
-#: the folder ds_lowcomm is imported from (a source checkout, or site-packages): on the runs'
-#: PYTHONPATH, so they train with the same code as the bench
+#: the folder ds_lowcomm is imported from; when it is a source checkout (not site-packages), it
+#: goes first on the runs' PYTHONPATH, so they train with the same code as the bench
 ROOT = Path(__file__).resolve().parents[2]
+CHECKOUT = (ROOT / "setup.py").is_file()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -181,8 +182,9 @@ def trainer_command(args, config: Optional[Path], log_json: Path, steps: int, ou
 def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> dict:
     """One training of ``steps`` optimizer steps; returns its result JSON (plus the records)."""
     config = write_config(mode, args, out, steps)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if CHECKOUT:  # an install's runs import the same package without help
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)

@@ -108,13 +108,14 @@ class Checkpointer:
     :class:`~ds_lowcomm.optimizer.LowCommOptimizer` (``optimizer``), beside DeepSpeed's files.
 
     ``rank`` is the global rank, ``device`` where per-rank state is loaded to, ``model_config``
-    the model's Hugging Face config as JSON (None without one): rank 0 writes it, and a
-    ``zero_to_fp32.py`` that converts our checkpoints, into every save directory. Both methods are
+    returns the model's Hugging Face config as JSON (None: no config): rank 0 writes it (unless the
+    directory has one, as the Trainer writes it) and a ``zero_to_fp32.py`` that converts our
+    checkpoints into every save directory. Both methods are
     collective over the default process group, and so is construction with ``async_save`` (it
     creates the private gloo group the background saves agree on)."""
 
     def __init__(self, optimizer: Checkpointed, rank: int, device, async_save: bool = False,
-                 timeout_s: float = 300.0, model_config: Optional[str] = None) -> None:
+                 timeout_s: float = 300.0, model_config: Optional[Callable[[], str]] = None) -> None:
         self.optimizer, self.rank, self.device = optimizer, rank, device
         self.model_config = model_config
         self.async_save = async_save
@@ -169,8 +170,6 @@ class Checkpointer:
                 shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
         dist.barrier()
         out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
-        if self.rank == 0:
-            write_recovery_files(save_dir, self.model_config)
         if not self.async_save:
             self._publish(self.optimizer.rank_state_dict(), write_dir, tag_dir, save_dir, tag, save_latest, None)
             return out
@@ -207,6 +206,7 @@ class Checkpointer:
                 records[name] = atomic_save(state, os.path.join(write_dir, name))
                 if model_record is not None:
                     records[MODEL_FILE] = model_record.result()
+                    write_recovery_files(save_dir, self.model_config() if self.model_config else None)
         except Exception as err:  # noqa: BLE001  (any failure must reach the other ranks, not strand them)
             records = {"error": f"rank {self.rank} could not write {os.path.join(write_dir, name)!r}: "
                                 f"{type(err).__name__}: {err}"}

@@ -5,11 +5,12 @@ Three spellings of one conversion:
 - ``ds-lowcomm-export CHECKPOINT_DIR OUT.pt|OUT.bin|OUT.safetensors [--tag TAG]`` (console script;
   ``python -m ds_lowcomm.checkpoint export ...`` is the same);
 - ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [--safe_serialization] [--tag TAG]``, the
-  script every save writes into its directory, with stock DeepSpeed's arguments: it writes
-  ``pytorch_model.bin`` (or ``model.safetensors``) into ``OUTPUT_DIR``;
+  script every save writes into its directory, with stock DeepSpeed's arguments (but
+  ``--exclude_frozen_parameters``; ``--max_shard_size`` is accepted, one file is written): it
+  writes ``pytorch_model.bin`` (or ``model.safetensors``) into ``OUTPUT_DIR``;
 - :func:`export_fp32` from Python.
 
-A safetensors file gets the model's ``config.json`` beside it when the checkpoint directory has
+The weights get the model's ``config.json`` beside them when the checkpoint directory has
 one (the engine writes it at save for a model with a Hugging Face config; the Trainer does too),
 so ``from_pretrained`` on that directory works.
 """
@@ -40,11 +41,12 @@ fp32 weights from this directory's checkpoints. Stock DeepSpeed's arguments:
 import sys
 
 try:
-    from ds_lowcomm.checkpoint.export import recovery_main
+    import ds_lowcomm.checkpoint.export as export
 except ImportError:
     sys.exit("error: this checkpoint was saved by ds_lowcomm; install it (pip install ds_lowcomm) to convert it")
-
-sys.exit(recovery_main())
+if not hasattr(export, "recovery_main"):
+    sys.exit(f"error: the installed ds_lowcomm ({export.__file__}) is older than this script; upgrade it")
+sys.exit(export.recovery_main())
 '''
 
 
@@ -76,22 +78,24 @@ def export_fp32(load_dir: str, tag: Optional[str] = None) -> Dict[str, torch.Ten
 
 def write_recovery_files(save_dir: str, model_config: Optional[str]) -> None:
     """Rank 0, at every save: ``zero_to_fp32.py`` into ``save_dir`` (as stock DeepSpeed does) and,
-    given one, the model's Hugging Face config as ``config.json``. Atomic writes; no communication."""
+    given one and unless the directory has one (the Trainer writes its own first), the model's
+    Hugging Face config as ``config.json``. Atomic writes; no communication."""
     script = os.path.join(save_dir, RECOVERY_SCRIPT)
     atomic_write_text(script, _RECOVERY_SOURCE)
     os.chmod(script, 0o755)
-    if model_config is not None:
-        atomic_write_text(os.path.join(save_dir, CONFIG_FILE), model_config)
+    config = os.path.join(save_dir, CONFIG_FILE)
+    if model_config is not None and not os.path.exists(config):
+        atomic_write_text(config, model_config)
 
 
 def save_weights(state: Dict[str, torch.Tensor], output: str, checkpoint_dir: str) -> List[str]:
-    """Write ``state`` to ``output``: safetensors when it ends in ``.safetensors`` (with the
-    checkpoint's ``config.json`` copied beside it, if it has one), else ``torch.save``. Returns
+    """Write ``state`` to ``output``: safetensors when it ends in ``.safetensors``, else
+    ``torch.save``; the checkpoint's ``config.json``, if it has one, is copied beside it. Returns
     the files written. Raises :class:`CheckpointError` when safetensors is not installed."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if not output.endswith(".safetensors"):
         torch.save(state, output)
-        return [output]
+        return [output] + _copy_config(checkpoint_dir, output)
     try:  # optional: installed with transformers
         from safetensors.torch import save_file
     except ImportError:
@@ -102,13 +106,16 @@ def save_weights(state: Dict[str, torch.Tensor], output: str, checkpoint_dir: st
         flat[k] = v.clone() if v.data_ptr() in seen else v.contiguous()
         seen.add(v.data_ptr())
     save_file(flat, output, metadata={"format": "pt"})
-    written = [output]
+    return [output] + _copy_config(checkpoint_dir, output)
+
+
+def _copy_config(checkpoint_dir: str, output: str) -> List[str]:
     config = os.path.join(checkpoint_dir, CONFIG_FILE)
     beside = os.path.join(os.path.dirname(os.path.abspath(output)), CONFIG_FILE)
-    if os.path.isfile(config) and os.path.abspath(config) != beside:
-        shutil.copyfile(config, beside)
-        written.append(beside)
-    return written
+    if not os.path.isfile(config) or os.path.abspath(config) == beside:
+        return []
+    shutil.copyfile(config, beside)
+    return [beside]
 
 
 def _convert(checkpoint_dir: str, output: str, tag: Optional[str]) -> int:
@@ -145,6 +152,8 @@ def recovery_main(argv=None) -> int:
     ap.add_argument("output_dir", help="directory for pytorch_model.bin, or model.safetensors and config.json")
     ap.add_argument("--safe_serialization", action="store_true", help="write model.safetensors instead")
     ap.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    ap.add_argument("--max_shard_size", default=None, help="accepted for stock's command lines; one file is written")
+    ap.add_argument("-d", "--debug", action="store_true", help="accepted for stock's command lines; no effect")
     args = ap.parse_args(argv)
     name = "model.safetensors" if args.safe_serialization else "pytorch_model.bin"
     return _convert(args.checkpoint_dir, os.path.join(args.output_dir, name), args.tag)

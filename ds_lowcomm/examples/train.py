@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, also under python -m
 import deepspeed  # noqa: E402
+import hjson  # noqa: E402
 import ds_lowcomm  # noqa: E402  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
 from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
@@ -207,26 +208,24 @@ def evaluate(engine, tokens, args, rank, mbs, step, group) -> float:
 
 
 def load_config(args) -> dict:
-    """The ``--deepspeed`` JSON (a path, or a shipped config's name: :mod:`ds_lowcomm.configs`),
-    its LR schedule spanning ``--max-steps`` (as the bench runs it):
-    a ``total_num_steps`` that differs is set to ``--max-steps`` and the warm-up scaled with it,
-    with a one-line notice."""
+    """The ``--deepspeed`` config (a path, or a shipped config's name: :mod:`ds_lowcomm.configs`;
+    JSON or hjson, as DeepSpeed reads it). A LR schedule that spans another number of steps than
+    ``--max-steps`` is left as it is (a run may be resumed later with a higher ``--max-steps``, and
+    the checkpoint keeps only the schedule's position) and named in one line."""
     try:
-        args.deepspeed = ds_lowcomm.configs.resolve(args.deepspeed)  # a path, or a shipped config's name
+        args.deepspeed = ds_lowcomm.configs.resolve(args.deepspeed)
     except FileNotFoundError as err:
         sys.exit(f"error: --deepspeed: {err}")
     with open(args.deepspeed) as f:
-        config = json.load(f)
+        config = hjson.load(f)
     params = config.get("scheduler", {}).get("params", {})
     total = params.get("total_num_steps")
-    if total is not None and total != args.max_steps:
-        warmup = params.get("warmup_num_steps", 0)
-        params.update(total_num_steps=args.max_steps,
-                      warmup_num_steps=max(1, round(warmup * args.max_steps / total)) if warmup else 0)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"LR schedule resized to --max-steps {args.max_steps}: total_num_steps {total} -> "
-                  f"{args.max_steps}, warmup_num_steps {warmup} -> {params['warmup_num_steps']} "
-                  f"({args.deepspeed} is unchanged)", flush=True)
+    if total is not None and total != args.max_steps and os.environ.get("RANK", "0") == "0":
+        print(f"note: the LR schedule of {args.deepspeed} spans {total} steps (warm-up "
+              f"{params.get('warmup_num_steps', 'default')}) and --max-steps is {args.max_steps}: the run "
+              f"{'stops before its schedule ends' if total > args.max_steps else 'goes on past its schedule'}; "
+              f"set scheduler.params.total_num_steps to {args.max_steps} for a schedule that spans the run",
+              flush=True)
     return config
 
 

@@ -131,7 +131,7 @@ class LowCommEngine(DeepSpeedEngine):
         hf_config = getattr(self.module, "config", None)
         self.checkpointer = Checkpointer(self.optimizer, self.global_rank, self.device, async_save=cfg.async_save,
                                          timeout_s=cfg.collective_timeout_s,
-                                         model_config=hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None)
+                                         model_config=hf_config.to_json_string if hasattr(hf_config, "to_json_string") else None)
         # DeepSpeed's 1-bit Adam switch: no engine all-reduce after backward (engine.py
         # _backward_epilogue, 0.19.8); the optimizer reduces at the boundary itself.
         self.enable_backward_allreduce = False

@@ -10,12 +10,12 @@ import base64
 import copy
 import functools
 import inspect
-import json
 import logging
 import os
 from datetime import timedelta
 
 import deepspeed
+import hjson
 import torch
 
 from ds_lowcomm import configs
@@ -42,10 +42,10 @@ def check_deepspeed_version(version: str) -> None:
 
 
 def _is_base64_json(text: str) -> bool:
-    try:
-        json.loads(base64.urlsafe_b64decode(text))
+    try:  # as DeepSpeed (0.19.8) reads a string that is not a file
+        hjson.loads(base64.urlsafe_b64decode(text).decode("utf-8"))
         return True
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, hjson.HjsonDecodeError):
         return False
 
 
@@ -65,8 +65,11 @@ def _resolve_config(bound: inspect.BoundArguments):
     from_args = config is None and getattr(args, "deepspeed_config", None) is not None
     if from_args:
         config = args.deepspeed_config
-    if isinstance(config, (str, os.PathLike)) and not os.path.isfile(config) and not _is_base64_json(str(config)):
-        config = configs.resolve(str(config))
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)  # DeepSpeed's load_ds_config takes a str
+    if isinstance(config, str):
+        if not os.path.isfile(config) and not _is_base64_json(config):
+            config = configs.resolve(config)
         if from_args:
             a["args"] = copy.copy(args)
             a["args"].deepspeed_config = config
