@@ -51,10 +51,11 @@ def venv(tmp_path_factory):
     python = env_dir / "bin" / "python"
     new_site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], base,
                          env).strip())
-    # This environment's dependencies, after the new site-packages (so the wheel's ds_lowcomm wins).
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], base, env)
+    # Then this environment's dependencies, after the new site-packages (so the wheel's ds_lowcomm
+    # wins; before the install, pip would have found this environment's copy and kept it).
     deps = [*site.getsitepackages(), site.getusersitepackages()]
     (new_site / "zz_dependencies.pth").write_text("\n".join(p for p in deps if os.path.isdir(p)) + "\n")
-    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], base, env)
     work = base / "work"  # outside the checkout: nothing of it on the path
     work.mkdir()
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}")
