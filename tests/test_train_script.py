@@ -50,10 +50,12 @@ def test_train_save_resume_and_report(tmp_path):
     assert "step 4/6 | loss" in log and "tok/s" in log and "MB/step" in log and "val loss" in log
     assert "before it has started" not in log  # DeepSpeed's per-rank scheduler warning, silenced
 
-    torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "3", "--data", str(data),
-             "--save-dir", ckpt)
+    # One command line for the first start and the restart: --resume auto.
+    _, first = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "3", "--data", str(data),
+                        "--save-dir", ckpt, "--resume", "auto")
+    assert f"--resume auto: no checkpoint in {ckpt} yet; starting fresh" in first
     resumed, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6", "--data", str(data),
-                            "--save-dir", ckpt, "--resume")
+                            "--save-dir", ckpt, "--resume", "auto")
     assert "resumed from" in log
     assert resumed["final_train_loss"] == straight["final_train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
@@ -79,6 +81,26 @@ def test_a_damaged_checkpoint_ends_every_rank_cleanly(tmp_path):
         assert all("lowcomm_rank00001.pt" in e and "does not match the sha256" in e for e in errors), errors
         assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr[-3000:]
         assert "Root Cause" in proc.stderr and proc.stderr.split("Root Cause")[1].count("exitcode  : 1 ") == 1
+
+
+def test_finetune_hf_resume_spellings(tmp_path, capsys):
+    """finetune_hf.py's --resume as train.py's: bare, the newest checkpoint or a one-line error;
+    'auto', the newest or a fresh start; else a checkpoint directory."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import finetune_hf
+
+    out = tmp_path / "run"
+    assert finetune_hf.parse_args(["--resume"]).resume == "latest"
+    assert finetune_hf.parse_args(["--resume", "auto"]).resume == "auto"
+    assert finetune_hf.resume_point("auto", str(out)) is None
+    assert "--resume auto: no checkpoint in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^error: --resume: no checkpoint-N in"):
+        finetune_hf.resume_point("latest", str(out))
+    for step in (5, 10, 9):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    for spelling in ("latest", "auto"):
+        assert finetune_hf.resume_point(spelling, str(out)) == str(out / "checkpoint-10")
+    assert finetune_hf.resume_point(str(out / "checkpoint-5"), str(out)) == str(out / "checkpoint-5")
 
 
 def test_stock_deepspeed_with_deepspeed_launcher_and_flag_form():

@@ -205,7 +205,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n-embd", type=number(int, 1), default=128, help="default model: width")
     ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
     ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
-    ap.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|DIR",
+                    help="resume from the newest checkpoint in --output-dir (an error if there is none); "
+                         "'--resume auto': from the newest if there is one, else start fresh; '--resume DIR': "
+                         "from that checkpoint")
     ap.add_argument("--slow-ranks", type=parse_slow_ranks, default={}, metavar="RANK:FACTOR[,...]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--val-fraction", type=fraction, default=0.05, help="tail of the blocks held out")
@@ -219,6 +222,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.model and args.n_embd % args.n_head:
         ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     return args
+
+
+def resume_point(resume, output_dir: str):
+    """What ``--resume`` gives the Trainer's ``resume_from_checkpoint``: None (start fresh), or the
+    checkpoint directory to load. Bare ``--resume`` ("latest") and ``--resume auto`` take the newest
+    ``checkpoint-N`` in ``output_dir``; without one the first exits with one line, the second starts
+    fresh. Anything else is a checkpoint directory."""
+    if resume not in ("latest", "auto"):
+        return resume
+    newest = transformers.trainer_utils.get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if newest is None and resume == "latest":
+        raise SystemExit(f"error: --resume: no checkpoint-N in {output_dir}; use --resume auto to start fresh "
+                         f"when there is none")
+    if newest is None and int(os.environ.get("RANK", 0)) == 0:
+        print(f"--resume auto: no checkpoint in {output_dir} yet; starting fresh", flush=True)
+    return newest
 
 
 def main() -> None:
@@ -264,7 +283,7 @@ def main() -> None:
     trainer.add_callback(log)
     if slow != 1.0:
         print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
-    out = trainer.train(resume_from_checkpoint=args.resume)
+    out = trainer.train(resume_from_checkpoint=resume_point(args.resume, args.output_dir))
     trainer.save_model(f"{args.output_dir}/final")  # under ds_lowcomm: flushes the last update first
     val_loss = log.validate(out.global_step)  # after the flush: the weights with every update
     log.close()

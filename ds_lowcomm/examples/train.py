@@ -128,7 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--save-dir", default=None, help="checkpoint directory")
     ap.add_argument("--save-every", type=at_least(0), default=0, help="steps between checkpoints (0: end only)")
-    ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    ap.add_argument("--resume", nargs="?", const="latest", choices=["latest", "auto"], default=None,
+                    help="resume from the latest checkpoint in --save-dir (an error if there is none); "
+                         "'--resume auto': resume if there is one, else start fresh (one command line for "
+                         "the first start and every restart)")
     ap.add_argument("--log-json", default=None, metavar="FILE",
                     help="rank 0 appends one JSON record per logged step (for plots)")
     ap.add_argument("--link-counter", action="store_true",
@@ -282,7 +285,9 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         flush=True)
 
     start = engine.global_steps
-    if args.resume:
+    if args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest")):
+        say(f"--resume auto: no checkpoint in {args.save_dir} yet; starting fresh", flush=True)
+    elif args.resume:
         try:
             _, client = engine.load_checkpoint(args.save_dir)
         except ds_lowcomm.CheckpointError as err:  # every rank gets the same verdict
