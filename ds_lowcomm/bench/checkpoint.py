@@ -51,8 +51,8 @@ from typing import List, Optional
 
 from ds_lowcomm import configs
 from ds_lowcomm.bench.link import Link, free_port
+from ds_lowcomm.bench.runs import run_env
 
-ROOT = Path(__file__).resolve().parents[2]
 PROG = "python -m ds_lowcomm.bench.checkpoint"
 CONFIGS = {"deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "acco": "acco_zero1.json",
            "demo": "demo_zero1.json", "desloc": "desloc_zero1.json"}
@@ -266,12 +266,7 @@ def run_config(args, label: str, link: Link, out: Path, rep: int) -> dict:
            "--master_port", str(free_port()), "-m", "ds_lowcomm.bench.checkpoint", "--worker",
            "--config", str(config), "--checkpoint-dir", str(ckpt), "--model", args.model,
            "--steps", str(args.steps), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else [])
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    # From a source checkout, the checkout first: the worker must import the package it measures
-    # from there, not from an installed copy (an install's worker finds its own package).
-    if (ROOT / "setup.py").is_file():
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = run_env("cpu")  # the worker imports the package it measures, as the bench's runs do
     log = out / "logs" / f"{label}.{rep}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:

@@ -179,13 +179,21 @@ def trainer_command(args, config: Optional[Path], log_json: Path, steps: int, ou
     return cmd
 
 
+def run_env(accelerator: str) -> dict:
+    """The environment of a bench's launches: one thread per rank, ``DS_ACCELERATOR`` (unless
+    set), and from a source checkout the checkout first on ``PYTHONPATH``, so the ranks import the
+    package the bench imported (an install's ranks find it without help)."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.setdefault("DS_ACCELERATOR", accelerator)
+    if CHECKOUT:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
 def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> dict:
     """One training of ``steps`` optimizer steps; returns its result JSON (plus the records)."""
     config = write_config(mode, args, out, steps)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if CHECKOUT:  # an install's runs import the same package without help
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
+    env = run_env("cpu" if not _cuda() else "cuda")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     if args.regime == "uneven-trainer":
