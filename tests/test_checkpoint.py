@@ -328,6 +328,9 @@ PER_RANK = {
     "acco": (workers.config("acco", acco={"accumulate_while_waiting": False}), 5),  # mid-step
     "demo": (workers.config("demo", shard_group_size=1), 4),
     "desloc": (workers.config("desloc", shard_group_size=1, desloc={"param_sync_every": 4}), 6),  # mid-period
+    # after a compressed sync at step 2: each replica's error buffer holds what it did not send
+    "desloc-compressed": (workers.config("desloc", shard_group_size=1, desloc={
+        "param_sync_every": 2, "momentum_sync_every": 0, "variance_sync_every": 0, "sync_topk": 1}), 6),
 }
 
 
@@ -382,14 +385,22 @@ def test_per_rank_state_reshards(tmp_path, mode):
                 a, b = (s["shards"][key][:numel] for s in saved)
                 assert not torch.equal(a, b), key  # the replicas really differed
                 mean = (a + b) / 2
+                if mode == "desloc-compressed" and key == "master":
+                    # what the replicas' syncs had not sent yet, folded into the master: not lost
+                    ea, eb = (s["shards"]["sync_error"][:numel] for s in saved)
+                    assert ea.abs().sum() > 0 and eb.abs().sum() > 0
+                    mean = mean - (ea + eb) / 2
                 shard = got[key]
                 real = max(0, min(shard.numel(), numel - got["start"]))
                 assert torch.equal(shard[:real], mean[got["start"]: got["start"] + real]), key
-            if mode == "desloc":
+            if mode.startswith("desloc"):
                 assert got["step"] == saved[0]["mode"]["step"]
-                assert torch.equal(got["params"], (saved[0]["shards"]["master"][:numel]
-                                                   + saved[1]["shards"]["master"][:numel]) / 2)
-        if mode != "desloc":  # DES-LOC replicas drift again after the load, by design
+                want = (saved[0]["shards"]["master"][:numel] + saved[1]["shards"]["master"][:numel]) / 2
+                if mode == "desloc-compressed":
+                    want = want - (saved[0]["shards"]["sync_error"][:numel]
+                                   + saved[1]["shards"]["sync_error"][:numel]) / 2
+                assert torch.equal(got["params"], want)
+        if not mode.startswith("desloc"):  # DES-LOC replicas drift again after the load, by design
             assert len({got["digest"] for got in loaded}) == 1
 
 

@@ -220,6 +220,107 @@ def test_desloc_is_local_adamw_with_its_averages(outer):
     assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
 
 
+def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, outer_momentum=0.0):
+    """Two replicas, each AdamW on its own data; every Kx steps a compressed parameter sync
+    (SparseLoCo, arXiv 2508.15706, on DES-LOC's parameter average): u_r = e_r + (anchor − θ_r) over
+    the flat parameters padded to 112; each chunk's ``topk`` largest |u_r| rounded to bf16 (or to
+    int8 levels of the chunk's largest picked |u_r|); e_r = u_r − what was sent; the anchor moves
+    by the mean of what was sent (or the outer Nesterov step on it) and every θ_r becomes it.
+    Moments never averaged."""
+    models = [_model(), _model()]
+    opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
+    pad = lambda v: torch.cat([v, v.new_zeros(112 - v.numel())])  # noqa: E731
+    anchor = pad(_flat(models[0]))
+    buf = torch.zeros(112)
+    errors = [torch.zeros(112), torch.zeros(112)]
+    out = []
+    for t in range(1, STEPS + 1):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
+                p.grad = g
+            opt.step()
+        if t % kx == 0:
+            sent = []
+            for r, model in enumerate(models):
+                u = errors[r] + (anchor - pad(_flat(model)))
+                rows = u.view(-1, chunk)
+                idx = rows.abs().topk(topk, dim=1).indices
+                picked = rows.gather(1, idx)
+                if values == "bf16":
+                    v = picked.to(torch.bfloat16).float()
+                else:
+                    scale = picked.abs().amax(dim=1, keepdim=True)
+                    v = (picked / scale * 127).round().clamp(-127, 127) * (scale / 127)
+                dense = torch.zeros_like(rows).scatter(1, idx, v).view(-1)
+                errors[r] = u - dense
+                sent.append(dense)
+            delta = (sent[0] + sent[1]) / 2
+            if outer_lr != 1.0 or outer_momentum != 0.0:
+                buf = outer_momentum * buf + delta
+                anchor = anchor - outer_lr * (delta + outer_momentum * buf)
+            else:
+                anchor = anchor - delta
+            with torch.no_grad():
+                for model in models:
+                    torch.nn.utils.vector_to_parameters(anchor[:103].clone(), model.parameters())
+        out.append([_flat(m) for m in models])
+    return out
+
+
+@pytest.mark.parametrize("variant", [{}, {"sync_values": "int8"}, {"outer_lr": 0.7, "outer_momentum": 0.9}],
+                         ids=["bf16", "int8", "nesterov"])
+def test_desloc_compressed_syncs_follow_the_equations(variant):
+    """sync_topk: each parameter sync sends 2 of every 16 elements of u per replica and keeps the
+    rest in its error buffer; the replicas meet at the same parameters after every sync."""
+    sync = dict(param_sync_every=2, momentum_sync_every=0, variance_sync_every=0, sync_topk=2, sync_chunk=16)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**sync, **variant}})
+    values = variant.get("sync_values", "bf16")
+    outer = {k: v for k, v in variant.items() if k.startswith("outer")}
+    ref = _desloc_compressed_reference(2, 2, 16, values, **outer)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[0]["after"][1], results[1]["after"][1])  # synced at step 2
+    assert not torch.equal(results[0]["after"][2], results[1]["after"][2])  # apart at step 3
+    # One all-gather per sync (steps 2, 4, 6) of 7 chunks × 2 × (1-byte index + 2-byte bf16 value,
+    # or 1-byte int8 value + a 4-byte scale per chunk) per replica, (R−1)/R of the 2 payloads sent.
+    payload = 7 * 2 * 3 if values == "bf16" else 7 * 2 * 2 + 7 * 4
+    ops = results[0]["bytes"]
+    assert "replica.all_reduce" not in ops
+    assert ops["replica.all_gather"]["calls"] == 3 and ops["replica.all_gather"]["bytes_sent"] == 3 * payload
+
+
+def test_sparse_codec_keeps_what_it_does_not_send():
+    """Error feedback, bit for bit: after encoding u, the buffer holds u where nothing was sent
+    and u − (the value sent) where something was; the sent entries are each chunk's largest |u|."""
+    from ds_lowcomm.modes.sparse import ChunkTopK
+
+    g = torch.Generator().manual_seed(0)
+    for values in ("bf16", "int8"):
+        for chunk, topk in ((16, 3), (300, 7)):  # 1-byte and 2-byte indices
+            codec = ChunkTopK(5 * chunk - 5, chunk, topk, values)  # the last chunk padded
+            u = torch.randn(codec.padded, generator=g) * torch.rand(codec.padded, generator=g) * 10
+            u[codec.numel:] = 0
+            error = u.clone()
+            payload = torch.zeros(codec.payload_bytes, dtype=torch.uint8)
+            codec.encode(error, payload)
+            rows = u.view(-1, chunk)
+            idx = rows.abs().topk(topk, dim=1).indices
+            picked = rows.gather(1, idx)
+            if values == "bf16":
+                v = picked.to(torch.bfloat16).float()
+            else:
+                scale = picked.abs().amax(dim=1, keepdim=True)
+                v = (picked / scale * 127).round().clamp(-127, 127) * (scale / 127)
+            sent = torch.zeros_like(rows).scatter(1, idx, v)
+            mask = torch.zeros_like(rows, dtype=torch.bool).scatter(1, idx, True).view(-1)
+            assert torch.equal(error[~mask], u[~mask])
+            assert torch.equal(error[mask], (u - sent.view(-1))[mask])
+            mean = torch.empty(5, chunk)
+            codec.mean_into([payload, payload], 0, 5, mean)
+            assert torch.equal(mean, sent)  # (x + x) / 2 == x
+
+
 def _dct_matrix(n):
     """Orthonormal DCT-II: D[k, i] = sqrt(2/n)·cos(π/n·(i + 1/2)·k), row 0 divided by sqrt(2)."""
     i = torch.arange(n, dtype=torch.float64)

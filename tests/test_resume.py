@@ -49,6 +49,9 @@ CASES = {
     "demo-overlap": (_config("demo", shard_group_size=1, demo={"overlap": True}), 16, 8),
     # step 5: mid-period for θ (2), m (6) and v (12)
     "desloc": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2}), 18, 10),
+    # compressed parameter syncs: each replica's error buffer (what its syncs have not sent) saved
+    "desloc-compressed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2, "sync_topk": 2,
+                                                                         "sync_chunk": 16}), 18, 10),
 }
 
 
@@ -93,7 +96,7 @@ def test_resume(tmp_path, case):
         assert r["digests"][1] == r["digests"][0]
         assert torch.equal(r["masters"][1], r["masters"][0])
         assert r["steps"][1] == r["steps"][0] > 0
-    if case == "desloc":
+    if case.startswith("desloc"):
         assert r0["digests"][1] != r1["digests"][1]  # replicas differ mid-period, each resumed exactly
     elif case == "demo-overlap":
         # each rank's model is its own look-ahead point; the master the round installs is shared

@@ -13,6 +13,14 @@ updates is not Adam on the averaged gradient).
 
 Bytes per rank per step across replica groups, R replicas, S shard elements in fp32:
 2(R−1)/R · 4·S · (1/Kx + 1/Ku + 1/Kv) — with R = 2, one shard per period.
+
+``sync_topk`` > 0 compresses the parameter syncs (SparseLoCo-style, :mod:`ds_lowcomm.modes.sparse`):
+each replica sends the ``sync_topk`` largest entries of each ``sync_chunk``-element chunk of its
+pseudo-gradient (anchor − master, plus what earlier syncs did not send: error feedback), in bf16
+or int8, in one all-gather; every replica applies the same mean and keeps the rest in its error
+buffer. The parameter term above becomes (R−1) · P / Kx, P the payload (``ChunkTopK``), about
+S·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard element (the anchor
+and the error buffer: 8/S bytes per parameter).
 Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
 with the same layout gives every replica its own; at another world size or ``shard_group_size``
 every replica starts from the average of the saved replicas (a sync of all three).
@@ -32,11 +40,13 @@ from typing import Optional
 import torch
 
 from ds_lowcomm.checkpoint import CheckpointError, ShardReader
-from ds_lowcomm.config import option
+from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.shard.flat import gather_full
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode, ModeState, require_shard_group_size
 from ds_lowcomm.shard.adamw import ShardAdamW
+from ds_lowcomm.memory import CHUNK_BYTES, temporary
+from ds_lowcomm.modes.sparse import MAX_CHUNK, ChunkTopK
 from ds_lowcomm.shard.step import ShardedStepRound, step_now
 
 NEVER = 0  # the internal value of "never"
@@ -54,6 +64,13 @@ class DeslocOptions:
                              exclusive_minimum=True)
     outer_momentum: float = option(0.0, "outer Nesterov momentum; 0 = off (plain averaging)", minimum=0,
                                    below=1)
+    sync_topk: int = option(0, "compressed parameter syncs: entries of each sync_chunk sent per replica "
+                            "(the largest of the pseudo-gradient plus the error feedback; the rest "
+                            "stays in a per-rank error buffer); 0 = dense average", minimum=0)
+    sync_chunk: int = option(64, "elements per chunk of a compressed parameter sync (indices travel in "
+                             "1 byte up to 256, else 2)", minimum=1)
+    sync_values: str = option("bf16", "values of a compressed parameter sync: 'bf16' (2 bytes) or 'int8' "
+                              "(1 byte, one fp32 scale per chunk)", choices=("bf16", "int8"))
 
 
 class ReplicaSyncs:
@@ -62,6 +79,8 @@ class ReplicaSyncs:
     its anchor (the parameters at the last sync) and momentum, shards like the master's."""
 
     def __init__(self, options: DeslocOptions, master: torch.Tensor) -> None:
+        """The anchor (the parameters at the last sync) exists with the outer optimizer or
+        compressed syncs; the error buffer with compressed syncs."""
         kx = options.param_sync_every
         ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
@@ -71,13 +90,20 @@ class ReplicaSyncs:
         # DiLoCo-style outer Nesterov: the pseudo-gradient is anchor − average. Off (plain
         # averaging) unless configured.
         self.outer = options.outer_lr != 1.0 or options.outer_momentum != 0.0
-        if self.outer:
+        self.codec = (ChunkTopK(master.numel(), options.sync_chunk, options.sync_topk, options.sync_values)
+                      if options.sync_topk else None)
+        self.anchored = self.outer or self.codec is not None
+        if self.anchored:
             self.restart(master)
 
     def restart(self, master: torch.Tensor) -> None:
-        """The outer optimizer from ``master``, no momentum."""
+        """The anchor at ``master``; no outer momentum, an empty error buffer."""
         self.anchor = master.clone()
-        self.outer_buf = torch.zeros_like(master)
+        if self.outer:
+            self.outer_buf = torch.zeros_like(master)
+        if self.codec is not None:
+            self.error = torch.zeros(self.codec.padded, dtype=master.dtype, device=master.device)
+            self.payload = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8, device=master.device)
 
     def average_due(self, adamw: ShardAdamW, replica) -> None:
         """After the local update (or its skip), before the all-gather: average over ``replica``
@@ -87,15 +113,47 @@ class ReplicaSyncs:
         due = [k for k, every in self.periods.items() if every != NEVER and self.rounds % every == 0]
         if replica is None or not due:
             return
+        if self.codec is not None and "master" in due:
+            due.remove("master")
+            self.sync_compressed(adamw.master, replica)
         for k in due:
             state = getattr(adamw, k)
             replica.all_reduce(state)
             state.mul_(1.0 / replica.world)
         if self.outer and "master" in due:
             delta = self.anchor - adamw.master  # identical on every replica: from averages
-            self.outer_buf.mul_(self.outer_momentum).add_(delta)
-            self.anchor.sub_(delta.add_(self.outer_buf, alpha=self.outer_momentum), alpha=self.outer_lr)
+            self.outer_step(delta, slice(None))
             adamw.master.copy_(self.anchor)
+
+    def outer_step(self, delta: torch.Tensor, sl: slice) -> None:
+        """The anchor's elements ``sl`` moved by the pseudo-gradient ``delta`` (consumed): plain
+        (anchor − delta) or outer Nesterov."""
+        if not self.outer:
+            self.anchor[sl].sub_(delta)
+            return
+        self.outer_buf[sl].mul_(self.outer_momentum).add_(delta)
+        self.anchor[sl].sub_(delta.add_(self.outer_buf[sl], alpha=self.outer_momentum), alpha=self.outer_lr)
+
+    def sync_compressed(self, master: torch.Tensor, replica) -> None:
+        """A compressed parameter sync (module doc): u = e + (anchor − master); the top-k of each
+        chunk of u sent in one all-gather of :attr:`ChunkTopK.payload_bytes` per replica, the rest
+        kept in the error buffer; every replica moves the anchor by the same mean and takes it as
+        its master. Cost: (R−1)/R · R · payload bytes sent per rank."""
+        codec, n = self.codec, master.numel()
+        step = max(1, CHUNK_BYTES // 4)
+        for a in range(0, n, step):  # u, in the error buffer (no shard-sized temporary)
+            b = min(n, a + step)
+            self.error[a:b].add_(self.anchor[a:b] - master[a:b])
+        codec.encode(self.error, self.payload)
+        gathered = self.payload.new_empty(replica.world * codec.payload_bytes)
+        replica.all_gather(gathered, self.payload)
+        payloads = list(gathered.chunk(replica.world))
+        for r0, r1 in codec.row_blocks():
+            a, b = r0 * codec.chunk, min(n, r1 * codec.chunk)
+            mean = temporary((r1 - r0) * codec.chunk, torch.float32, master.device).view(r1 - r0, codec.chunk)
+            codec.mean_into(payloads, r0, r1, mean)
+            self.outer_step(mean.view(-1)[: b - a], slice(a, b))
+        master.copy_(self.anchor)
 
 
 class DeslocRound(ShardedStepRound):
@@ -121,6 +179,18 @@ class Desloc(Mode):
     @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
         require_shard_group_size(cfg, cls.name, "averages state between shard groups")
+        o, section = cfg.mode_options, ds.get("lowcomm", {}).get("desloc", {})
+        if o.sync_topk == 0:
+            for key in ("sync_chunk", "sync_values"):
+                if key in section:
+                    raise LowCommConfigError(f"lowcomm.desloc.{key}: applies to compressed parameter syncs; "
+                                             f"set lowcomm.desloc.sync_topk (e.g. 1) or leave {key} out")
+            return
+        if o.sync_chunk > MAX_CHUNK:
+            raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk}; at most {MAX_CHUNK}")
+        if o.sync_topk > o.sync_chunk:
+            raise LowCommConfigError(f"lowcomm.desloc.sync_topk: got {o.sync_topk}; at most sync_chunk "
+                                     f"({o.sync_chunk}): it counts the entries sent per chunk")
 
     def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
         super().__init__(ctx, options)
@@ -145,8 +215,12 @@ class Desloc(Mode):
         0's master); per rank, this replica's Adam step count (it lags where it skipped a step)."""
         a, syncs = self.adamw, self.syncs
         sharded = {"master": a.master, "exp_avg": a.exp_avg, "exp_avg_sq": a.exp_avg_sq}
+        if syncs.anchored:
+            sharded["anchor"] = syncs.anchor
         if syncs.outer:
-            sharded.update(anchor=syncs.anchor, outer_buf=syncs.outer_buf)
+            sharded["outer_buf"] = syncs.outer_buf
+        if syncs.codec is not None:  # this replica's own: what its syncs have not sent yet
+            sharded["sync_error"] = syncs.error[: a.master.numel()]
         return ModeState(meta={"rounds": syncs.rounds}, sharded=sharded, rank={"step": a.step_count})
 
     def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
@@ -154,29 +228,48 @@ class Desloc(Mode):
         ``shard_group_size``: every replica the average of the saved replicas' master and moments,
         what a sync of θ, m and v at the save step would have made, with saved replica 0's Adam
         step count. Weights only: replica 0's master for every replica; moments, steps and the
-        outer optimizer restart. The model gets the master, read from the files."""
+        outer optimizer restart. The model gets the master, read from the files.
+
+        A saved error buffer (compressed syncs) is kept where this run compresses too with the
+        same layout; anywhere else it is folded into the master (master − error: the progress the
+        syncs had not sent yet, which the next sync then carries), so no progress is lost. A run
+        that compresses a checkpoint saved without it anchors at the replicas' mean master."""
         a, syncs, topo, layout = self.adamw, self.syncs, self.ctx.topology, self.ctx.flat.layout
         if meta is None:
             a.load_shards(shards, None)
             syncs.rounds = 0
-            if syncs.outer:
+            if syncs.anchored:
                 syncs.restart(a.master)
             self.ctx.set_params(shards.full("master", a.master))
             return
-        if syncs.outer and "anchor" not in shards.keys():
+        keys = shards.keys()
+        if syncs.outer and "anchor" not in keys:
             raise CheckpointError("this desloc checkpoint has no outer-optimizer state (saved with "
                                   "outer_lr 1 and outer_momentum 0); resume with those settings")
+        mean = lambda key: shards.replica_mean(key, layout.shard_start, layout.shard_size, a.master)  # noqa: E731
         if rank is not None:
             mine = shards.of_replica(topo.rank // topo.shard_group_size)
             read = lambda key: mine.shard(key, layout, a.master)  # noqa: E731
-            step, params = rank["step"], mine.full("master", a.master)
+            full = lambda key: mine.full(key, a.master)  # noqa: E731
+            step = rank["step"]
         else:
-            read = lambda key: shards.replica_mean(key, layout.shard_start, layout.shard_size, a.master)  # noqa: E731
+            read = mean
+            full = lambda key: shards.replica_mean(key, 0, shards.meta["numel"], a.master)  # noqa: E731
             step = shards.rank_state(0)["step"]
-            params = shards.replica_mean("master", 0, shards.meta["numel"], a.master)
         a.master, a.exp_avg, a.exp_avg_sq = (read(key) for key in ("master", "exp_avg", "exp_avg_sq"))
+        params = full("master")
         a.step_count = int(step)
         syncs.rounds = int(meta["rounds"])
+        keep_error = syncs.codec is not None and rank is not None and "sync_error" in keys
+        if "sync_error" in keys and not keep_error:
+            a.master.sub_(read("sync_error"))
+            params.sub_(full("sync_error"))
+        if syncs.anchored:
+            syncs.anchor = read("anchor") if "anchor" in keys else mean("master")
         if syncs.outer:
-            syncs.anchor, syncs.outer_buf = read("anchor"), read("outer_buf")
+            syncs.outer_buf = read("outer_buf")
+        if syncs.codec is not None:
+            syncs.error.zero_()
+            if keep_error:
+                syncs.error[: a.master.numel()].copy_(read("sync_error"))
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)

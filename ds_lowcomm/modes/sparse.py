@@ -1,0 +1,127 @@
+"""Chunked top-k with error feedback: desloc's compressed parameter syncs.
+
+SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706) on DES-LOC's parameter average. At a
+parameter sync each replica r has made local progress ``anchor − master_r`` since the last sync
+(``anchor``: the parameters every replica agreed on then). Instead of all-reducing its master, it
+sends a compressed pseudo-gradient and keeps what it did not send:
+
+    u_r      = e_r + (anchor − master_r)                 error feedback added (eq. 3)
+    I_r      = per chunk of C elements, the k largest |u_r|
+    v̂_r      = u_r[I_r] rounded to the wire's values (bf16, or int8 on a per-chunk absmax scale)
+    e_r      = u_r − scatter(I_r, v̂_r)                   what was not sent stays, exactly
+    Δ        = (Σ_r scatter(I_r, v̂_r)) / R               identical on every replica
+    anchor  −= Δ (plain), or the outer Nesterov step on Δ; every master_r = anchor
+
+Each replica's (I_r, v̂_r[, scales]) travel in one all-gather of bytes over the replica group:
+per chunk k·(index + value) bytes (index: 1 byte for C ≤ 256, else 2; value: 2 bytes bf16, 1 int8)
+plus 4 bytes of scale per chunk with int8, against 8·C bytes of a dense fp32 all-reduce per chunk
+(ring, R = 2). The work is done a block of chunks at a time (``memory.CHUNK_BYTES``): nothing
+shard-sized is allocated beyond the error buffer itself.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Tuple
+
+import torch
+
+from ds_lowcomm.memory import CHUNK_BYTES, temporary
+
+#: the largest chunk: indices travel as int16 above 256 elements
+MAX_CHUNK = 1 << 15
+INT8_LEVELS = 127
+
+
+class ChunkTopK:
+    """The wire format of one replica's compressed sync of ``numel`` elements: chunks of ``chunk``
+    elements (the last one padded with zeros in the error buffer), ``topk`` values per chunk in
+    ``values`` ("bf16" or "int8")."""
+
+    def __init__(self, numel: int, chunk: int, topk: int, values: str) -> None:
+        if not 1 <= topk <= chunk <= MAX_CHUNK:
+            raise ValueError(f"need 1 <= topk <= chunk <= {MAX_CHUNK}; got topk {topk}, chunk {chunk}")
+        if values not in ("bf16", "int8"):
+            raise ValueError(f"values: 'bf16' or 'int8', got {values!r}")
+        self.numel, self.chunk, self.topk, self.values = numel, chunk, topk, values
+        self.chunks = -(-numel // chunk)
+        self.index_dtype = torch.uint8 if chunk <= 256 else torch.int16
+        self.value_dtype = torch.bfloat16 if values == "bf16" else torch.int8
+        n = self.chunks * topk
+        # Sections ordered by element size, so every section starts aligned for its dtype.
+        sizes = [("scales", torch.float32, self.chunks if values == "int8" else 0),
+                 ("index", self.index_dtype, n), ("values", self.value_dtype, n)]
+        sizes.sort(key=lambda s: -torch.empty((), dtype=s[1]).element_size())
+        self.sections: List[Tuple[str, torch.dtype, int, int]] = []
+        offset = 0
+        for name, dtype, count in sizes:
+            nbytes = count * torch.empty((), dtype=dtype).element_size()
+            self.sections.append((name, dtype, offset, nbytes))
+            offset += nbytes
+        # Whole elements of the widest section, so each replica's payload in an all-gathered
+        # buffer starts aligned too.
+        align = max(torch.empty((), dtype=dtype).element_size() for _, dtype, _, nbytes in self.sections if nbytes)
+        self.payload_bytes = -(-offset // align) * align
+
+    @property
+    def padded(self) -> int:
+        """Elements of the error buffer: whole chunks."""
+        return self.chunks * self.chunk
+
+    def views(self, payload: torch.Tensor) -> dict:
+        """``payload`` (uint8, :attr:`payload_bytes`) as its ``scales``, ``index`` and ``values``
+        tensors, chunk-major (``[chunks, topk]``; scales ``[chunks]``, None with bf16 values)."""
+        out = {"scales": None}  # (bf16 values have none)
+        for name, dtype, offset, nbytes in self.sections:
+            if not nbytes:
+                continue
+            part = payload[offset:offset + nbytes].view(dtype)
+            out[name] = part if name == "scales" else part.view(self.chunks, self.topk)
+        return out
+
+    def row_blocks(self) -> Iterator[Tuple[int, int]]:
+        """Chunk rows ``[r0, r1)`` a block at a time, ``CHUNK_BYTES`` of fp32 per block."""
+        rows = max(1, CHUNK_BYTES // (4 * self.chunk))
+        for r0 in range(0, self.chunks, rows):
+            yield r0, min(self.chunks, r0 + rows)
+
+    def dequantize(self, view: dict, r0: int, r1: int) -> torch.Tensor:
+        """The fp32 values rows ``r0:r1`` of a payload ``view`` stand for, ``[r1 − r0, topk]``."""
+        vals = view["values"][r0:r1].float()
+        if self.values == "int8":
+            vals.mul_((view["scales"][r0:r1] / INT8_LEVELS).unsqueeze(1))
+        return vals
+
+    @torch.no_grad()
+    def encode(self, error: torch.Tensor, payload: torch.Tensor) -> None:
+        """Pick and round the top ``topk`` of each chunk of ``error`` (fp32, :attr:`padded`
+        elements, holding u) into ``payload``, and leave in ``error`` what was not sent:
+        ``u − scatter(index, dequantized values)``, bit for bit."""
+        view = self.views(payload)
+        rows = error.view(self.chunks, self.chunk)
+        for r0, r1 in self.row_blocks():
+            u = rows[r0:r1]
+            magnitude = temporary(u.numel(), torch.float32, u.device).view_as(u)
+            torch.abs(u, out=magnitude)
+            idx = magnitude.topk(self.topk, dim=1, sorted=False).indices
+            picked = u.gather(1, idx)
+            if self.values == "bf16":
+                view["values"][r0:r1] = picked.to(torch.bfloat16)
+            else:
+                scale = picked.abs().amax(dim=1)
+                view["scales"][r0:r1] = scale
+                safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
+                view["values"][r0:r1] = (picked / safe * INT8_LEVELS).round_().clamp_(
+                    -INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+            view["index"][r0:r1] = idx.to(self.index_dtype)
+            u.scatter_(1, idx, picked - self.dequantize(view, r0, r1))
+
+    @torch.no_grad()
+    def mean_into(self, payloads: List[torch.Tensor], r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows ``r0:r1`` of the mean over ``payloads`` (every replica's, in replica order) of
+        their dense values, written into ``out`` (``[r1 − r0, chunk]`` fp32): summed in payload
+        order, then divided by their number, so every replica computes the same bits."""
+        out.zero_()
+        for payload in payloads:
+            view = self.views(payload)
+            index = view["index"][r0:r1].long()
+            out.scatter_add_(1, index, self.dequantize(view, r0, r1))
+        return out.div_(len(payloads))
