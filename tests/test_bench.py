@@ -78,6 +78,32 @@ def test_bench_refuses_before_its_first_run(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_bench_desloc_peers_configs(tmp_path):
+    """``diloco`` is DiLoCo's recipe on desloc's replicas (parameters only, outer Nesterov 0.7 /
+    0.9 every H steps) and ``desloc-compressed`` sends top-1 of 64 per parameter sync, moments
+    never averaged; both keep the regime's period (the slow-link config's 64 under --regime slow),
+    and a --set still overrides them."""
+    from ds_lowcomm.bench import cli
+    from ds_lowcomm.bench.runs import write_config
+
+    args = cli.parse_args(["--modes", "diloco,desloc-compressed", "--out", str(tmp_path)])
+    for mode in args.mode_list:
+        write_config(mode, args, tmp_path, 10)
+    read = lambda mode: json.loads((tmp_path / "configs" / f"{mode}.10.json").read_text())["lowcomm"]  # noqa: E731
+    assert read("diloco")["desloc"] == {"param_sync_every": 16, "momentum_sync_every": 0, "variance_sync_every": 0,
+                                        "outer_lr": 0.7, "outer_momentum": 0.9}
+    assert read("desloc-compressed")["desloc"] == {"param_sync_every": 16, "momentum_sync_every": 0,
+                                                   "variance_sync_every": 0, "sync_topk": 1}
+    args = cli.parse_args(["--modes", "desloc-compressed", "--set", "desloc.sync_topk=2", "--out", str(tmp_path)])
+    write_config("desloc-compressed", args, tmp_path, 10)
+    assert read("desloc-compressed")["desloc"]["sync_topk"] == 2
+    slow = cli.parse_args(["--modes", "diloco", "--regime", "slow", "--out", str(tmp_path / "slow")])
+    write_config("diloco", slow, tmp_path / "slow", 10)
+    assert json.loads((tmp_path / "slow" / "configs" / "diloco.10.json").read_text())[
+        "lowcomm"]["desloc"]["param_sync_every"] == 64
+
+
+@pytest.mark.unit
 def test_bench_keeps_finished_runs_when_one_fails(tmp_path, monkeypatch):
     """results.json after every run: a run that dies leaves the finished ones on disk, and the
     bench ends in one line naming the run (here the runs themselves are recorded, not trained)."""

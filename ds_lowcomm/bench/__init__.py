@@ -16,7 +16,10 @@ plots into ``--out``:
   ``acco-fp32-estimate`` (``"acco": {"estimate_dtype": "fp32", "real_gather_dtype": "fp32"}``, the
   paper's rounds), ``acco-fp32-gather`` (``"acco": {"real_gather_dtype": "fp32"}``, the real round's
   parameters gathered whole), ``demo-overlap`` (``"demo": {"overlap": true, "lookahead": false}``),
-  ``zero1-slowest`` (``"pace": "slowest"``: every rank computes every micro-batch it is handed).
+  ``zero1-slowest`` (``"pace": "slowest"``: every rank computes every micro-batch it is handed),
+  ``desloc-compressed`` (``"desloc": {"sync_topk": 1}``, moments never averaged), ``diloco``
+  (DiLoCo, arXiv 2311.08105, as its users run it: ``desloc`` with the moments never averaged and an
+  outer Nesterov step of lr 0.7, momentum 0.9 every H = ``param_sync_every`` steps).
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else
