@@ -113,6 +113,11 @@ class LowCommConfig:
     async_save: bool = option(False, "save_checkpoint returns once this rank's state is copied; the "
                               "file is written, hashed and made durable on a background thread and "
                               "'latest' moves when every rank's file is complete")
+    save_on_preemption: bool = option(True, "on SIGTERM or SIGUSR1 (a preemption notice, torchrun stopping "
+                                      "its workers, SLURM's warning) the Hugging Face Trainer and "
+                                      "examples/train.py finish the step, save a checkpoint and exit with "
+                                      "128 + the signal's number, which restart policies restart; false: "
+                                      "the signal ends the process as usual")
     max_consecutive_skips: int = option(10, "consecutive steps skipped for a non-finite gradient "
                                         "(not counting fp16 overflows that lower the loss scale) "
                                         "after which the run stops as diverged", minimum=1)

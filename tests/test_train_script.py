@@ -83,6 +83,84 @@ def test_a_damaged_checkpoint_ends_every_rank_cleanly(tmp_path):
         assert "Root Cause" in proc.stderr and proc.stderr.split("Root Cause")[1].count("exitcode  : 1 ") == 1
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_a_preemption_signal_saves_the_step_in_progress(tmp_path, sig):
+    """SIGTERM or SIGUSR1 to the workers mid-run, as a scheduler sends them (at different moments
+    on each rank): every rank stops after the same step, that step is saved (no periodic saves
+    here), the exit code is 128 + the signal's number, and --resume goes on from that step."""
+    import signal
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(__import__("dist").free_port()), SCRIPT, *SMALL, "--deepspeed", "zero1",
+            "--max-steps", "400", "--eval-every", "0", "--log-every", "1", "--save-dir", str(ckpt)]
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 5/400"):
+                break
+        workers_ = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers_) == 2, workers_
+        number = getattr(signal, sig)
+        for i, pid in enumerate(workers_):
+            os.kill(int(pid), number)
+            time.sleep(0.05 * i)  # not at the same moment
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stopped = [l for l in err.splitlines() if l.startswith(f"{sig}: stopped after step")]
+    assert len(stopped) == 1, err[-3000:]
+    step = int(stopped[0].split("step ")[1].split(";")[0])
+    assert f"saved step {step} to {ckpt}" in stopped[0] and f"exit code {128 + number}" in stopped[0]
+    assert 5 <= step < 400 and (ckpt / "latest").read_text().strip() == f"global_step{step}"
+    assert f"exitcode  : {128 + number}" in err and "terminate called" not in err
+    resumed, log = torchrun("--deepspeed", "zero1", "--max-steps", str(step + 2), "--eval-every", "0",
+                            "--save-dir", str(ckpt), "--resume")
+    assert f"resumed from {ckpt} at step {step}" in log and resumed["steps"] == step + 2
+
+
+def test_a_preemption_signal_under_the_trainer_saves_its_checkpoint(tmp_path):
+    """SIGTERM to the Trainer's workers (finetune_hf.py, a plain Trainer script): the Trainer saves
+    its own checkpoint-N of the step every rank stopped after, the workers exit 143, and
+    resume_from_checkpoint (--resume) goes on from that step."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    tiny = ["--micro-batch", "2", "--gas", "2", "--block-size", "32", "--n-layer", "1", "--n-head", "2",
+            "--n-embd", "32", "--eval-iters", "1", "--output-dir", str(out), "--deepspeed",
+            str(ROOT / "ds_configs" / "hf" / "zero1.json")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(__import__("dist").free_port()), str(ROOT / "examples" / "finetune_hf.py")]
+    proc = subprocess.Popen([*cmd, *tiny, "--max-steps", "20000", "--log-every", "1"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        logged = 0
+        for line in proc.stdout:
+            logged += "'loss'" in line
+            if logged == 5:
+                break
+        pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(pids) == 2, pids
+        for i, pid in enumerate(pids):
+            os.kill(int(pid), signal.SIGTERM)
+            time.sleep(0.05 * i)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stopped = [l for l in err.splitlines() if l.startswith("SIGTERM: stopped after step")]
+    assert len(stopped) == 1, err[-3000:]
+    step = int(stopped[0].split("step ")[1].split(";")[0])
+    assert f"saved {out / f'checkpoint-{step}'}; exit code 143" in stopped[0]
+    assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file() and step >= 5
+    assert "exitcode  : 143" in err and "terminate called" not in err
+    proc = subprocess.run([*cmd, *tiny, "--max-steps", str(step + 2), "--resume"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == step + 2
+
+
 def test_finetune_hf_resume_spellings(tmp_path, capsys):
     """finetune_hf.py's --resume as train.py's: bare, the newest checkpoint or a one-line error;
     'auto', the newest or a fresh start; else a checkpoint directory."""

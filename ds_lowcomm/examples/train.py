@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, als
 import deepspeed  # noqa: E402
 import hjson  # noqa: E402
 import ds_lowcomm  # noqa: E402  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
+from ds_lowcomm.integration.preemption import PreemptionGuard  # noqa: E402
 from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 
@@ -243,13 +244,19 @@ def deepspeed_engine(args, model):
         sys.exit(f"error: {args.deepspeed}: DeepSpeed refused the config: {err}")
 
 
-def stop(engine, message: str) -> None:
-    """Exit with ``message`` (one line on stderr), every rank alike: the engine and the process
-    group torn down first, so no rank dies in a destructor (gloo aborts a process that exits with
-    its group alive) while another still waits."""
+def stop(engine, message: str, code: int = 1) -> None:
+    """Exit with ``message`` (one line on stderr, rank 0's only when ``code`` is not 1) and
+    ``code``, every rank alike: the engine and the process group torn down first, so no rank dies
+    in a destructor (gloo aborts a process that exits with its group alive) while another still
+    waits."""
+    rank = torch.distributed.get_rank()
     engine.destroy()
     torch.distributed.destroy_process_group()
-    sys.exit(message)
+    if code == 1:
+        sys.exit(message)
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
@@ -283,6 +290,10 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         f"{len(train_tokens):,} train / {len(val_tokens):,} val {args.tokenizer} tokens | "
         f"{tokens_per_step:,} tokens/step (micro-batch {mbs} x accumulation {gas} x {world} ranks)",
         flush=True)
+
+    # SIGTERM / SIGUSR1: finish the step, save, exit 128 + the signal (lowcomm.save_on_preemption).
+    section = getattr(getattr(engine, "lowcomm_config", None), "save_on_preemption", True)
+    guard = PreemptionGuard(host) if hasattr(engine, "save_checkpoint") and section else None
 
     start = engine.global_steps
     if args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest")):
@@ -350,10 +361,20 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
             if records:
                 records.write(json.dumps({"step": done, "train_s": train_time, "val_loss": vl,
                                           "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
-        if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps):
+        saved = args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps)
+        if saved:
             engine.save_checkpoint(args.save_dir, client_state={"step": done})
             say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
+        if guard is not None and guard.poll() and done != args.max_steps:
+            if args.save_dir and not saved:
+                engine.save_checkpoint(args.save_dir, client_state={"step": done})
+            where = f"saved step {done} to {args.save_dir}" if args.save_dir else "no --save-dir: nothing saved"
+            guard.close()
+            stop(engine, f"{guard.name}: stopped after step {done}; {where}; exit code {guard.exit_code} "
+                         f"(restart with --resume)", guard.exit_code)
 
+    if guard is not None:
+        guard.close()
     link_bytes = read_link_bytes() - link_start if link_start is not None else None
     if hasattr(engine, "comm_stats"):  # ds_lowcomm: install the update still in flight (acco, demo overlap)
         engine.optimizer.flush()

@@ -9,7 +9,12 @@ the Trainer does not know is our metrics and our in-flight updates: when a
 - ``Trainer.log``: every training log entry also carries :func:`trainer_metrics` (in
   ``state.log_history``, the console, TensorBoard, W&B, ... alike);
 - ``Trainer.save_model``: the user's final save calls ``optimizer.flush()`` first, so the saved
-  weights include the last update (collective: the Trainer calls it on every rank).
+  weights include the last update (collective: the Trainer calls it on every rank);
+- ``Trainer._maybe_log_save_evaluate`` (once per optimizer step, on every rank): with
+  ``lowcomm.save_on_preemption`` (the default), a SIGTERM or SIGUSR1 makes the Trainer save its
+  ``checkpoint-N`` at the end of the step every rank has learnt of it by
+  (:class:`~ds_lowcomm.integration.preemption.PreemptionGuard`), after which the process exits with
+  128 + the signal's number; ``resume_from_checkpoint`` goes on from there.
 
 Trainers whose model is not a LowCommEngine are left untouched.
 """
@@ -53,6 +58,7 @@ def install_trainer_hooks() -> None:
     if trainer_cls is None or getattr(trainer_cls.log, "ds_lowcomm_wrapped", False):
         return
     original_log, original_save = trainer_cls.log, trainer_cls.save_model
+    original_step_end = trainer_cls._maybe_log_save_evaluate
 
     @functools.wraps(original_log)
     def log(self, logs, *args, **kwargs):
@@ -71,5 +77,40 @@ def install_trainer_hooks() -> None:
             engine.optimizer.flush()
         return original_save(self, output_dir, _internal_call, *args, **kwargs)
 
-    log.ds_lowcomm_wrapped = save_model.ds_lowcomm_wrapped = True
+    @functools.wraps(original_step_end)
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        engine = _engine(self)
+        guard = getattr(self, "_ds_lowcomm_preemption", None)
+        if guard is None and engine is not None and engine.lowcomm_config.save_on_preemption:
+            from ds_lowcomm.integration.preemption import PreemptionGuard
+
+            guard = self._ds_lowcomm_preemption = PreemptionGuard(engine.optimizer.topology.control.group)
+        if guard is not None and guard.poll():
+            self.control.should_save = True  # saved by the call below, as the Trainer's own checkpoint
+            self.control.should_training_stop = True
+        result = original_step_end(self, *args, **kwargs)
+        if guard is not None and guard.agreed:
+            _leave(self, engine, guard)
+        return result
+
+    log.ds_lowcomm_wrapped = save_model.ds_lowcomm_wrapped = _maybe_log_save_evaluate.ds_lowcomm_wrapped = True
     trainer_cls.log, trainer_cls.save_model = log, save_model
+    trainer_cls._maybe_log_save_evaluate = _maybe_log_save_evaluate
+
+
+def _leave(trainer, engine, guard) -> None:
+    """After the preemption checkpoint: one line, the engine and process groups torn down on every
+    rank (no rank may die in a destructor while another still waits), exit 128 + the signal."""
+    import os
+
+    import torch.distributed as dist
+
+    step = trainer.state.global_step
+    where = os.path.join(trainer._get_output_dir(None), f"checkpoint-{step}")
+    guard.close()
+    if dist.get_rank() == 0:
+        print(f"{guard.name}: stopped after step {step}; saved {where}; exit code {guard.exit_code} "
+              f"(restart with resume_from_checkpoint)", file=sys.stderr, flush=True)
+    engine.destroy()
+    dist.destroy_process_group()
+    raise SystemExit(guard.exit_code)
