@@ -196,6 +196,44 @@ def _async_save_failure(rank, world, save_dir):
                 never=os.path.exists(os.path.join(save_dir, "never")))
 
 
+def _model_write_failure(rank, world, save_dir):
+    """Rank 0's DeepSpeed model file cannot be written (a full disk) in the second save."""
+    from ds_lowcomm.checkpoint import CheckpointError
+
+    engine = workers.build_engine(_config("zero1"))
+    _run(engine, rank, 0, 2, [])
+    engine.save_checkpoint(save_dir)  # global_step1
+    _run(engine, rank, 2, 4, [])
+    if rank == 0:
+        def full_disk(state_dict, path):
+            raise OSError(28, "No space left on device")
+        engine.checkpoint_engine.save = full_disk
+    t0 = time.time()
+    try:
+        engine.save_checkpoint(save_dir)  # global_step2
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    seconds = time.time() - t0
+    with open(os.path.join(save_dir, "latest")) as f:
+        latest = f.read()
+    if rank == 0:
+        del engine.checkpoint_engine.save
+    engine.save_checkpoint(save_dir, tag="after")  # the disk has room again: saves as usual
+    return dict(error=error, seconds=seconds, latest=latest, patched="save" in vars(engine.checkpoint_engine))
+
+
+def test_a_failed_model_write_ends_the_save_on_every_rank(tmp_path):
+    """DeepSpeed 0.19.8 raises a failed write on the failing rank alone, the others waiting in its
+    barrier until the collective timeout: here every rank raises within seconds, naming the rank
+    and the file, 'latest' unchanged, and the next save works."""
+    for r in run_ranks(_model_write_failure, 2, str(tmp_path)):
+        assert r["error"] is not None and "rank 0 could not write" in r["error"], r["error"]
+        assert "mp_rank_00_model_states.pt" in r["error"] and "No space left on device" in r["error"]
+        assert r["seconds"] < 20 and r["latest"] == "global_step1" and not r["patched"]
+    assert (tmp_path / "latest").read_text() == "after"
+
+
 def test_async_save_failure_is_raised_everywhere_and_loses_nothing(tmp_path):
     for r in run_ranks(_async_save_failure, 2, str(tmp_path)):
         assert r["error"] is not None and "rank 1 could not write" in r["error"], r["error"]

@@ -146,8 +146,10 @@ class Checkpointer:
                 self._pool = None
 
     def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[str], Any]) -> Any:
-        """``deepspeed_save(tag)`` (DeepSpeed's collective save, its ``latest`` switched off),
-        then this rank's file, the manifest and ``latest``, in that order. A tag that already
+        """``deepspeed_save(tag)`` (DeepSpeed's collective save, its ``latest`` switched off,
+        returning its result and this rank's write error or None: a failure on any rank raises
+        :class:`CheckpointError` on every rank, ``latest`` unchanged), then this rank's file, the
+        manifest and ``latest``, in that order. A tag that already
         exists (a second save at the same step; or only its previous content does, under
         ``REPLACED``, left by a save of it killed mid-swap) is written beside it and swapped in
         only once complete, so the checkpoint it held stays loadable until then. Communication besides
@@ -169,7 +171,13 @@ class Checkpointer:
             if os.path.isdir(tag_dir):  # the tag is what loads: its previous content is garbage
                 shutil.rmtree(tag_dir + REPLACED, ignore_errors=True)
         dist.barrier()
-        out = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are complete
+        out, error = deepspeed_save(write_tag)  # ends with a barrier: DeepSpeed's files are written
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)  # a write that failed on any rank ends the save on all
+        errors = [e for e in everyone if e]
+        if errors:
+            raise CheckpointError(f"checkpoint {tag!r} in {save_dir!r} was not saved ({errors[0]}); "
+                                  f"'latest' still names the previous checkpoint")
         if not self.async_save:
             self._publish(self.optimizer.rank_state_dict(), write_dir, tag_dir, save_dir, tag, save_latest, None)
             return out

@@ -260,9 +260,44 @@ class LowCommEngine(DeepSpeedEngine):
         # First, so every rank tags the same step: under acco a rank may be one launch behind.
         self.optimizer.settle()
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)
-        deepspeed_save = functools.partial(super().save_checkpoint, save_dir, client_state=client_state,
-                                           save_latest=False, **kwargs)
+        deepspeed_save = functools.partial(self._deepspeed_save, save_dir, client_state=client_state, **kwargs)
         return self.checkpointer.save(save_dir, tag, save_latest, deepspeed_save)
+
+    def _deepspeed_save(self, save_dir, tag, client_state, **kwargs):
+        """DeepSpeed's ``save_checkpoint`` of ``tag`` (its ``latest`` off), returning ``(its
+        result, this rank's write error or None)``: a write its checkpoint engine fails (a full
+        disk, a permission) is caught and the rest of the save writes nothing, so this rank still
+        reaches DeepSpeed's barriers and the ranks can agree on the failure (DeepSpeed 0.19.8
+        raises on the failing rank alone, leaving the others in its barrier until the timeout)."""
+        engine, failure = self.checkpoint_engine, []
+        own = {name: vars(engine)[name] for name in ("makedirs", "save") if name in vars(engine)}
+
+        def guarded(name):
+            write = getattr(engine, name)
+
+            def call(*args, **kw):
+                if failure:
+                    return None
+                try:
+                    return write(*args, **kw)
+                except Exception as err:  # noqa: BLE001  (reported on every rank by the Checkpointer)
+                    # (state_dict, path) and (path, exist_ok): DeepSpeed passes either way
+                    path = kw.get("path", args[-1] if name == "save" and args else args[0] if args else "?")
+                    failure.append(f"rank {self.global_rank} could not write {str(path)!r}: "
+                                   f"{type(err).__name__}: {err}")
+            return call
+
+        for name in ("makedirs", "save"):
+            setattr(engine, name, guarded(name))
+        try:
+            out = super().save_checkpoint(save_dir, tag, client_state=client_state, save_latest=False, **kwargs)
+        finally:
+            for name in ("makedirs", "save"):
+                if name in own:
+                    setattr(engine, name, own[name])
+                else:
+                    delattr(engine, name)
+        return out, (failure[0] if failure else None)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         **kwargs):
