@@ -8,13 +8,15 @@ over a gloo group of CPU tensors and reads the one it started at the previous ca
 learn of a signal at the same step and the all-reduce's latency hides behind a step of compute.
 The loop then saves and leaves with :attr:`PreemptionGuard.exit_code`, 128 + the signal's number
 (143 for SIGTERM), which restart policies (torchrun's ``--max-restarts``, a scheduler's requeue)
-treat as a failure to restart, unlike 0.
+treat as a failure to restart, unlike 0. A second signal ends the process at once, as without the
+guard (a rank stuck in a collective would never reach the step boundary).
 
 ``examples/train.py`` and the Hugging Face Trainer (:func:`ds_lowcomm.integration.hf.install_trainer_hooks`)
 use it unless ``lowcomm.save_on_preemption`` is false.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Optional
@@ -45,6 +47,11 @@ class PreemptionGuard:
     def _handler(self, signum, frame) -> None:
         if not self.signum:
             self.signum = signum
+            return
+        # A second signal: whoever sent it will not wait for the step (a rank stuck in a
+        # collective never reaches it); it ends the process as it would have without the guard.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def poll(self) -> int:
         """Collective, once per step on every rank: the signal every rank has learnt of by the
