@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 PREFIX = "lowcomm/"
 
@@ -81,7 +82,8 @@ def install_trainer_hooks() -> None:
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         engine = _engine(self)
         guard = getattr(self, "_ds_lowcomm_preemption", None)
-        if guard is None and engine is not None and engine.lowcomm_config.save_on_preemption:
+        if (guard is None and engine is not None and engine.lowcomm_config.save_on_preemption
+                and threading.current_thread() is threading.main_thread()):  # (signals reach the main thread only)
             from ds_lowcomm.integration.preemption import PreemptionGuard
 
             guard = self._ds_lowcomm_preemption = PreemptionGuard(engine.optimizer.topology.control.group)
