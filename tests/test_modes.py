@@ -220,6 +220,21 @@ def test_desloc_is_local_adamw_with_its_averages(outer):
     assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
 
 
+def _sent(u, chunk, topk, values):
+    """What a replica sends of ``u`` (SparseLoCo, arXiv 2508.15706): each chunk's ``topk`` largest
+    |u| rounded to bf16, or to int8 levels of the chunk's largest picked |u|; returns that as a
+    dense ``[chunks, chunk]`` tensor (zeros elsewhere) and the picked indices."""
+    rows = u.view(-1, chunk)
+    idx = rows.abs().topk(topk, dim=1).indices
+    picked = rows.gather(1, idx)
+    if values == "bf16":
+        v = picked.to(torch.bfloat16).float()
+    else:
+        scale = picked.abs().amax(dim=1, keepdim=True)
+        v = (picked / scale * 127).round().clamp(-127, 127) * (scale / 127)
+    return torch.zeros_like(rows).scatter(1, idx, v), idx
+
+
 def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, outer_momentum=0.0):
     """Two replicas, each AdamW on its own data; every Kx steps a compressed parameter sync
     (SparseLoCo, arXiv 2508.15706, on DES-LOC's parameter average): u_r = e_r + (anchor − θ_r) over
@@ -243,15 +258,7 @@ def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, o
             sent = []
             for r, model in enumerate(models):
                 u = errors[r] + (anchor - pad(_flat(model)))
-                rows = u.view(-1, chunk)
-                idx = rows.abs().topk(topk, dim=1).indices
-                picked = rows.gather(1, idx)
-                if values == "bf16":
-                    v = picked.to(torch.bfloat16).float()
-                else:
-                    scale = picked.abs().amax(dim=1, keepdim=True)
-                    v = (picked / scale * 127).round().clamp(-127, 127) * (scale / 127)
-                dense = torch.zeros_like(rows).scatter(1, idx, v).view(-1)
+                dense = _sent(u, chunk, topk, values)[0].view(-1)
                 errors[r] = u - dense
                 sent.append(dense)
             delta = (sent[0] + sent[1]) / 2
@@ -304,16 +311,8 @@ def test_sparse_codec_keeps_what_it_does_not_send():
             error = u.clone()
             payload = torch.zeros(codec.payload_bytes, dtype=torch.uint8)
             codec.encode(error, payload)
-            rows = u.view(-1, chunk)
-            idx = rows.abs().topk(topk, dim=1).indices
-            picked = rows.gather(1, idx)
-            if values == "bf16":
-                v = picked.to(torch.bfloat16).float()
-            else:
-                scale = picked.abs().amax(dim=1, keepdim=True)
-                v = (picked / scale * 127).round().clamp(-127, 127) * (scale / 127)
-            sent = torch.zeros_like(rows).scatter(1, idx, v)
-            mask = torch.zeros_like(rows, dtype=torch.bool).scatter(1, idx, True).view(-1)
+            sent, idx = _sent(u, chunk, topk, values)
+            mask = torch.zeros_like(sent, dtype=torch.bool).scatter(1, idx, True).view(-1)
             assert torch.equal(error[~mask], u[~mask])
             assert torch.equal(error[mask], (u - sent.view(-1))[mask])
             mean = torch.empty(5, chunk)

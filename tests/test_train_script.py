@@ -83,32 +83,43 @@ def test_a_damaged_checkpoint_ends_every_rank_cleanly(tmp_path):
         assert "Root Cause" in proc.stderr and proc.stderr.split("Root Cause")[1].count("exitcode  : 1 ") == 1
 
 
+def _signal_workers(cmd, sig: str, ready) -> str:
+    """Start ``cmd`` (torchrun, 2 workers), wait for the stdout line ``ready(line)`` accepts, send
+    ``sig`` to each worker a moment apart (as a scheduler's notices arrive), return stderr."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if ready(line):
+                break
+        pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(pids) == 2, pids
+        for i, pid in enumerate(pids):
+            os.kill(int(pid), getattr(signal, sig))
+            time.sleep(0.05 * i)
+        return proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+
+
+def _train_cmd(ckpt, config="zero1"):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(__import__("dist").free_port()), SCRIPT, *SMALL, "--deepspeed", config,
+            "--max-steps", "400", "--eval-every", "0", "--log-every", "1", "--save-dir", str(ckpt)]
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
 def test_a_preemption_signal_saves_the_step_in_progress(tmp_path, sig):
     """SIGTERM or SIGUSR1 to the workers mid-run, as a scheduler sends them (at different moments
     on each rank): every rank stops after the same step, that step is saved (no periodic saves
     here), the exit code is 128 + the signal's number, and --resume goes on from that step."""
     import signal
-    import time
 
     ckpt = tmp_path / "ckpt"
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(__import__("dist").free_port()), SCRIPT, *SMALL, "--deepspeed", "zero1",
-            "--max-steps", "400", "--eval-every", "0", "--log-every", "1", "--save-dir", str(ckpt)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("step 5/400"):
-                break
-        workers_ = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(workers_) == 2, workers_
-        number = getattr(signal, sig)
-        for i, pid in enumerate(workers_):
-            os.kill(int(pid), number)
-            time.sleep(0.05 * i)  # not at the same moment
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    err = _signal_workers(_train_cmd(ckpt), sig, lambda line: line.startswith("step 5/400"))
+    number = getattr(signal, sig)
     stopped = [l for l in err.splitlines() if l.startswith(f"{sig}: stopped after step")]
     assert len(stopped) == 1, err[-3000:]
     step = int(stopped[0].split("step ")[1].split(";")[0])
@@ -120,35 +131,32 @@ def test_a_preemption_signal_saves_the_step_in_progress(tmp_path, sig):
     assert f"resumed from {ckpt} at step {step}" in log and resumed["steps"] == step + 2
 
 
+def test_save_on_preemption_false_leaves_the_signal_its_default(tmp_path):
+    """``"save_on_preemption": false``: SIGTERM ends the workers at once, as stock DeepSpeed's;
+    nothing is saved."""
+    cfg = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+    cfg["lowcomm"]["save_on_preemption"] = False
+    (tmp_path / "off.json").write_text(json.dumps(cfg))
+    ckpt = tmp_path / "ckpt"
+    err = _signal_workers(_train_cmd(ckpt, str(tmp_path / "off.json")), "SIGTERM",
+                          lambda line: line.startswith("step 5/400"))
+    assert "stopped after step" not in err and "Signal 15 (SIGTERM) received" in err, err[-3000:]
+    assert not (ckpt / "latest").exists()
+
+
 def test_a_preemption_signal_under_the_trainer_saves_its_checkpoint(tmp_path):
     """SIGTERM to the Trainer's workers (finetune_hf.py, a plain Trainer script): the Trainer saves
     its own checkpoint-N of the step every rank stopped after, the workers exit 143, and
     resume_from_checkpoint (--resume) goes on from that step."""
-    import signal
-    import time
-
     out = tmp_path / "run"
     tiny = ["--micro-batch", "2", "--gas", "2", "--block-size", "32", "--n-layer", "1", "--n-head", "2",
             "--n-embd", "32", "--eval-iters", "1", "--output-dir", str(out), "--deepspeed",
             str(ROOT / "ds_configs" / "hf" / "zero1.json")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(__import__("dist").free_port()), str(ROOT / "examples" / "finetune_hf.py")]
-    proc = subprocess.Popen([*cmd, *tiny, "--max-steps", "20000", "--log-every", "1"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        logged = 0
-        for line in proc.stdout:
-            logged += "'loss'" in line
-            if logged == 5:
-                break
-        pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(pids) == 2, pids
-        for i, pid in enumerate(pids):
-            os.kill(int(pid), signal.SIGTERM)
-            time.sleep(0.05 * i)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    logged = []
+    err = _signal_workers([*cmd, *tiny, "--max-steps", "20000", "--log-every", "1"], "SIGTERM",
+                          lambda line: logged.append("'loss'" in line) or sum(logged) == 5)
     stopped = [l for l in err.splitlines() if l.startswith("SIGTERM: stopped after step")]
     assert len(stopped) == 1, err[-3000:]
     step = int(stopped[0].split("step ")[1].split(";")[0])

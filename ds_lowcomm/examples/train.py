@@ -292,8 +292,8 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         flush=True)
 
     # SIGTERM / SIGUSR1: finish the step, save, exit 128 + the signal (lowcomm.save_on_preemption).
-    section = getattr(getattr(engine, "lowcomm_config", None), "save_on_preemption", True)
-    guard = PreemptionGuard(host) if hasattr(engine, "save_checkpoint") and section else None
+    save_on_preemption = getattr(getattr(engine, "lowcomm_config", None), "save_on_preemption", True)
+    guard = PreemptionGuard(host) if hasattr(engine, "save_checkpoint") and save_on_preemption else None
 
     start = engine.global_steps
     if args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest")):
