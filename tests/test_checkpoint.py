@@ -331,6 +331,9 @@ PER_RANK = {
     # after a compressed sync at step 2: each replica's error buffer holds what it did not send
     "desloc-compressed": (workers.config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 2, "momentum_sync_every": 0, "variance_sync_every": 0, "sync_topk": 1}), 6),
+    # a streamed sync launched at step 3, saved in flight (it would be applied at step 5)
+    "desloc-streamed": (workers.config("desloc", shard_group_size=1, desloc={
+        "param_sync_every": 3, "param_sync_delay": 2}), 8),
 }
 
 
@@ -358,6 +361,14 @@ def _load_per_rank(rank, world, save_dir, mode):
     out.update(start=opt.flat.layout.shard_start,
                losses=workers.train(engine, 2, start=4, rank=rank), digest=workers.params_digest(engine))
     return out
+
+
+def _applied_sync(master, saved, numel):
+    """A streamed sync saved in flight, applied at the load to the replicas' mean ``master``: plus
+    its result (the same on both), minus the mean of each replica's master at the launch."""
+    (ra, rb), (la, lb) = ([s["shards"][k][:numel] for s in saved] for k in ("sync_result", "sync_launched"))
+    assert torch.equal(ra, rb) and not torch.equal(la, lb)
+    return master + (ra + rb) / 2 - (la + lb) / 2
 
 
 @pytest.mark.parametrize("mode", list(PER_RANK))
@@ -390,6 +401,8 @@ def test_per_rank_state_reshards(tmp_path, mode):
                     ea, eb = (s["shards"]["sync_error"][:numel] for s in saved)
                     assert ea.abs().sum() > 0 and eb.abs().sum() > 0
                     mean = mean - (ea + eb) / 2
+                if mode == "desloc-streamed" and key == "master":
+                    mean = _applied_sync(mean, saved, numel)
                 shard = got[key]
                 real = max(0, min(shard.numel(), numel - got["start"]))
                 assert torch.equal(shard[:real], mean[got["start"]: got["start"] + real]), key
@@ -399,6 +412,8 @@ def test_per_rank_state_reshards(tmp_path, mode):
                 if mode == "desloc-compressed":
                     want = want - (saved[0]["shards"]["sync_error"][:numel]
                                    + saved[1]["shards"]["sync_error"][:numel]) / 2
+                if mode == "desloc-streamed":
+                    want = _applied_sync(want, saved, numel)
                 assert torch.equal(got["params"], want)
         if not mode.startswith("desloc"):  # DES-LOC replicas drift again after the load, by design
             assert len({got["digest"] for got in loaded}) == 1

@@ -220,6 +220,70 @@ def test_desloc_is_local_adamw_with_its_averages(outer):
     assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
 
 
+def _desloc_streamed_reference(kx, delay, ku, kv, outer_lr=1.0, outer_momentum=0.0):
+    """Two replicas, each AdamW on its own data; a parameter sync launched after step t's update
+    (Kx divides t) is applied after step t + D's: θ_r ← x̄ + (θ_r − s_r), s_r the parameters at t,
+    x̄ their mean (or the anchor after DiLoCo's outer Nesterov step on anchor − mean). The first
+    moment averaged when Ku divides t, the second when Kv does, at once."""
+    models = [_model(), _model()]
+    opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    buf = [torch.zeros_like(a) for a in anchor]
+    pending = None  # (step it is applied at, [s_0, s_1], x̄)
+    out = []
+    for t in range(1, STEPS + 1):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
+                p.grad = g
+            opt.step()
+        if pending is not None and pending[0] == t:
+            with torch.no_grad():
+                for r, model in enumerate(models):
+                    for p, s, x in zip(model.parameters(), pending[1][r], pending[2]):
+                        p.add_(x - s)
+            pending = None
+        pairs = list(zip(models[0].parameters(), models[1].parameters()))
+        if t % kv == 0:
+            for a, b in pairs:
+                avg = (opts[0].state[a]["exp_avg_sq"] + opts[1].state[b]["exp_avg_sq"]) * 0.5
+                opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"] = avg.clone(), avg.clone()
+        if t % ku == 0:
+            for a, b in pairs:
+                avg = (opts[0].state[a]["exp_avg"] + opts[1].state[b]["exp_avg"]) * 0.5
+                opts[0].state[a]["exp_avg"], opts[1].state[b]["exp_avg"] = avg.clone(), avg.clone()
+        if t % kx == 0:
+            launched = [[p.detach().clone() for p in m.parameters()] for m in models]
+            result = []
+            for i, (a, b) in enumerate(zip(*launched)):
+                avg = (a + b) * 0.5
+                if outer_lr != 1.0 or outer_momentum != 0.0:
+                    delta = anchor[i] - avg
+                    buf[i] = outer_momentum * buf[i] + delta
+                    anchor[i] = anchor[i] - outer_lr * (delta + outer_momentum * buf[i])
+                    avg = anchor[i]
+                result.append(avg)
+            pending = (t + delay, launched, result)
+        out.append([_flat(m) for m in models])
+    return out
+
+
+@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
+def test_desloc_streamed_syncs_apply_late_with_the_local_progress(outer):
+    """param_sync_delay 1: each parameter sync's all-reduce runs on the comm worker during the next
+    step and is applied after it, the step's own progress kept on top of the average."""
+    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4, param_sync_delay=1)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}})
+    ref = _desloc_streamed_reference(2, 1, 3, 4, **outer)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+    # the synchronous sync would have made the replicas equal after step 2; streamed they differ
+    # by their own step 3 only
+    assert not torch.equal(results[0]["after"][1], results[1]["after"][1])
+    ops = results[0]["bytes"]["replica.all_reduce"]  # the same syncs as synchronous: θ at 2, 4, 6
+    assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
+
+
 def _sent(u, chunk, topk, values):
     """What a replica sends of ``u`` (SparseLoCo, arXiv 2508.15706): each chunk's ``topk`` largest
     |u| rounded to bf16, or to int8 levels of the chunk's largest picked |u|; returns that as a

@@ -52,6 +52,9 @@ CASES = {
     # compressed parameter syncs: each replica's error buffer (what its syncs have not sent) saved
     "desloc-compressed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2, "sync_topk": 2,
                                                                          "sync_chunk": 16}), 18, 10),
+    # a streamed parameter sync launched at step 4, applied at 6, in flight at the save after step 5
+    "desloc-streamed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 4,
+                                                                       "param_sync_delay": 2}), 18, 10),
 }
 
 
@@ -74,6 +77,9 @@ def _straight_vs_resumed(rank, world, save_dir, case):
     in_flight = getattr(first.optimizer.mode, "inflight", None)
     in_flight = None if in_flight is None or in_flight.round is None else (
         "delta" if in_flight.round.delta is not None else "result")
+    syncs = getattr(first.optimizer.mode, "syncs", None)
+    if syncs is not None and syncs.ticket is not None:
+        in_flight = f"sync applied at round {syncs.finish_at}"
     first.save_checkpoint(save_dir, client_state={"j": cut})
     second = workers.build_engine(cfg, seed=123)  # everything must come from the checkpoint
     _, client = second.load_checkpoint(save_dir)
@@ -105,6 +111,8 @@ def test_resume(tmp_path, case):
         assert r0["digests"][1] == r1["digests"][1]
     if case in ("acco-paper", "demo-overlap"):
         assert r0["in_flight"] == r1["in_flight"] == "result"
+    if case == "desloc-streamed":
+        assert r0["in_flight"] == r1["in_flight"] == "sync applied at round 6"
     if case in ("acco", "acco-real-change"):
         assert r0["in_flight"] == r1["in_flight"] == "delta"
     if case.startswith("zero1") and case != "zero1-fp16":

@@ -36,7 +36,7 @@ SCRIPT = os.path.join(ROOT, "examples", "train.py")
 CONFIGS = {"zero1": "zero1", "acco": "acco_zero1", "demo": "demo_zero1", "desloc": "desloc_zero1"}
 MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--eval-iters", "1"]
 #: c10d's rendezvous settings for a quick re-form: the survivor waits this long for late joiners
-RDZV_CONF = "last_call_timeout=2,join_timeout=120,close_timeout=5"
+RDZV_CONF = "last_call_timeout=2,join_timeout=120,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 STEP = re.compile(r"^step (\d+)/(\d+) \|")
 RESUMED = re.compile(r"^resumed from .* at step (\d+)")
 
@@ -58,7 +58,11 @@ class Agent:
                "--deepspeed", CONFIGS[args.mode], "--max-steps", str(args.max_steps), "--eval-every", "0",
                "--log-every", "1", "--save-every", str(args.save_every), "--save-dir", args.save_dir,
                "--resume", "auto"]
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # torch's c10d rendezvous shares one TCP store with the workers across rounds, so a
+        # restarted worker can read the previous round's addresses (pytorch/pytorch#135712):
+        # each round gets its own store.
+        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines = []  # (time, line)
@@ -109,8 +113,10 @@ def trial(mode: str, kill_at: int, args) -> dict:
         code = "timeout"
     survivor.thread.join(timeout=5)
     after = [(t, line) for t, line in survivor.lines if t > t_kill]
-    resumed = [int(m.group(1)) for _, line in after if (m := RESUMED.match(line))]
-    first = next((t for t, line in after if (m := STEP.match(line)) and resumed and int(m.group(1)) > resumed[0]), None)
+    resumes = [(t, int(m.group(1))) for t, line in after if (m := RESUMED.match(line))]
+    resumed = [step for _, step in resumes]
+    # the first step printed after the resume (not one the dying workers printed after the kill)
+    first = next((t for t, line in after if resumes and t >= resumes[0][0] and STEP.match(line)), None)
     final = last_step([survivor])
     shutil.rmtree(save_dir, ignore_errors=True)
     return {"mode": mode, "kill_at": at_kill, "exit": code, "finished": code == 0 and final == args.max_steps,

@@ -17,7 +17,8 @@ plots into ``--out``:
   paper's rounds), ``acco-fp32-gather`` (``"acco": {"real_gather_dtype": "fp32"}``, the real round's
   parameters gathered whole), ``demo-overlap`` (``"demo": {"overlap": true, "lookahead": false}``),
   ``zero1-slowest`` (``"pace": "slowest"``: every rank computes every micro-batch it is handed),
-  ``desloc-compressed`` (``"desloc": {"sync_topk": 1}``, moments never averaged), ``diloco``
+  ``desloc-compressed`` (``"desloc": {"sync_topk": 1}``, moments never averaged),
+  ``desloc-streamed`` (``"desloc": {"param_sync_delay": 12}``), ``diloco``
   (DiLoCo, arXiv 2311.08105, as its users run it: ``desloc`` with the moments never averaged and an
   outer Nesterov step of lr 0.7, momentum 0.9 every H = ``param_sync_every`` steps).
 

@@ -90,6 +90,23 @@ def _check_model(model) -> None:
 
 
 @functools.wraps(_original_initialize)
+def warn_shared_rendezvous_store(env) -> bool:
+    """On a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) whose workers share the agent's
+    TCP store (torch's default with c10d rendezvous), say once per node that the restarted process
+    group may read the previous round's addresses and fail to connect ("Connection refused"), and
+    the fix. torch (2.5 to 2.13 at least) reuses the rendezvous host's store across rounds without a
+    per-round prefix (pytorch/pytorch#135712). Returns whether it warned."""
+    restarted = env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    if not (restarted and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return False
+    if env.get("LOCAL_RANK", "0") == "0":
+        logging.getLogger("ds_lowcomm").warning(
+            "ds_lowcomm: torchrun restart with the agent's shared TCP store: torch can hand this round "
+            "the previous round's addresses (a gloo/NCCL 'Connection refused' at init); launch torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+    return True
+
+
 def initialize(*args, **kwargs):
     """``deepspeed.initialize`` (same signature and return value), with a :class:`LowCommEngine`
     when the config has a ``"lowcomm"`` section.
@@ -119,6 +136,7 @@ def initialize(*args, **kwargs):
         from ds_lowcomm.integration.cpu import skip_shm_comm_build
 
         skip_shm_comm_build()
+        warn_shared_rendezvous_store(os.environ)
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                    timeout=timedelta(seconds=cfg.collective_timeout_s))
 

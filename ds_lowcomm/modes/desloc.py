@@ -21,6 +21,14 @@ or int8, in one all-gather; every replica applies the same mean and keeps the re
 buffer. The parameter term above becomes (R−1) · P / Kx, P the payload (``ChunkTopK``), about
 S·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard element (the anchor
 and the error buffer: 8/S bytes per parameter).
+``param_sync_delay`` D > 0 streams the parameter syncs (Streaming DiLoCo's overlap, arXiv
+2501.18512): at a sync the master is copied and its all-reduce (and the outer step) runs on the
+comm worker while the next D local steps compute; after step t + D's update the result x̄ replaces
+the master with the local progress since kept, θ ← x̄ + (θ_{t+D} − θ_t). Nothing computed is
+discarded (Streaming DiLoCo instead mixes θ ← α·θ_{t+D} + (1 − α)·x̄). D = 0 is the synchronous
+sync above; the moments' syncs stay synchronous. It costs two more fp32 buffers per shard element
+(the copy sent and the master at the launch: 8/S bytes per parameter), and a save with a sync in
+flight waits for it and keeps both, so a resume applies it at the same step.
 Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
 with the same layout gives every replica its own; at another world size or ``shard_group_size``
 every replica starts from the average of the saved replicas (a sync of all three).
@@ -40,6 +48,8 @@ from typing import Optional
 import torch
 
 from ds_lowcomm.checkpoint import CheckpointError, ShardReader
+from ds_lowcomm.comm.round import Round
+from ds_lowcomm.comm.worker import CommWorker, Ticket
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.shard.flat import gather_full
 from ds_lowcomm.shard.context import ModeContext
@@ -71,6 +81,34 @@ class DeslocOptions:
                              "1 byte up to 256, else 2)", minimum=1)
     sync_values: str = option("bf16", "values of a compressed parameter sync: 'bf16' (2 bytes) or 'int8' "
                               "(1 byte, one fp32 scale per chunk)", choices=("bf16", "int8"))
+    param_sync_delay: int = option(0, "streamed parameter syncs: local steps a sync's all-reduce runs behind "
+                                   "(on the comm worker) before its average replaces the master, the local "
+                                   "progress since kept; 0 = synchronous, at most param_sync_every - 1",
+                                   minimum=0)
+
+
+class ParamAverage(Round):
+    """A streamed parameter sync on the comm worker: ``wire`` (this replica's master at the launch,
+    or with the outer optimizer its pseudo-gradient anchor − master) all-reduced over the replica
+    group and turned into the sync's result, the parameters every replica agrees on (the mean, or
+    the anchor after the outer step). Cost: one all-reduce of 4·S bytes, 2(R−1)/R of it sent."""
+
+    def __init__(self, syncs: "ReplicaSyncs", replica) -> None:
+        self.syncs, self.replica = syncs, replica
+
+    def pack(self) -> None:
+        """Nothing: :meth:`ReplicaSyncs.start_param_sync` fills the wire before submitting."""
+
+    def run(self) -> None:
+        syncs, wire = self.syncs, self.syncs.wire
+        self.replica.all_reduce(wire)
+        wire.mul_(1.0 / self.replica.world)
+        if syncs.outer:  # the anchor and momentum are the worker's until the sync is applied
+            syncs.outer_step(wire, slice(None))
+            wire.copy_(syncs.anchor)
+
+    def install(self) -> None:
+        """Nothing: :meth:`ReplicaSyncs.finish_param_sync` applies the result."""
 
 
 class ReplicaSyncs:
@@ -78,9 +116,10 @@ class ReplicaSyncs:
     replica, whatever their verdicts: it paces the syncs) and, with the outer Nesterov optimizer,
     its anchor (the parameters at the last sync) and momentum, shards like the master's."""
 
-    def __init__(self, options: DeslocOptions, master: torch.Tensor) -> None:
+    def __init__(self, options: DeslocOptions, master: torch.Tensor, worker: Optional[CommWorker] = None) -> None:
         """The anchor (the parameters at the last sync) exists with the outer optimizer or
-        compressed syncs; the error buffer with compressed syncs."""
+        compressed syncs; the error buffer with compressed syncs; with ``param_sync_delay`` the
+        streamed sync's two buffers and ``worker``, the comm worker its all-reduce runs on."""
         kx = options.param_sync_every
         ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
@@ -95,6 +134,13 @@ class ReplicaSyncs:
         self.anchored = self.outer or self.codec is not None
         if self.anchored:
             self.restart(master)
+        self.delay, self.worker = options.param_sync_delay, worker
+        #: the streamed sync in flight (or run and not yet applied), and the round it is applied at
+        self.ticket: Optional[Ticket] = None
+        self.finish_at: Optional[int] = None
+        if self.delay:
+            self.wire = torch.zeros_like(master)      # sent; then the sync's result
+            self.launched = torch.zeros_like(master)  # this replica's master at the launch
 
     def restart(self, master: torch.Tensor) -> None:
         """The anchor at ``master``; no outer momentum, an empty error buffer."""
@@ -110,9 +156,14 @@ class ReplicaSyncs:
         (the replica group, None with one replica) the states due this round, each in place in
         one all-reduce of 4·S bytes (one concatenated call would hold a copy of them all)."""
         self.rounds += 1
+        if self.finish_at == self.rounds:
+            self.finish_param_sync(adamw.master)
         due = [k for k, every in self.periods.items() if every != NEVER and self.rounds % every == 0]
         if replica is None or not due:
             return
+        if self.delay and "master" in due:
+            due.remove("master")
+            self.start_param_sync(adamw.master, replica)
         if self.codec is not None and "master" in due:
             due.remove("master")
             self.sync_compressed(adamw.master, replica)
@@ -124,6 +175,31 @@ class ReplicaSyncs:
             delta = self.anchor - adamw.master  # identical on every replica: from averages
             self.outer_step(delta, slice(None))
             adamw.master.copy_(self.anchor)
+
+    def start_param_sync(self, master: torch.Tensor, replica) -> None:
+        """Launch a streamed parameter sync (module doc) on the comm worker, to be applied after
+        the update of round ``rounds + delay``. Never blocks (a sync still pending is applied
+        first: only after a change of periods)."""
+        if self.ticket is not None:
+            self.finish_param_sync(master)
+        self.launched.copy_(master)
+        if self.outer:
+            torch.sub(self.anchor, master, out=self.wire)
+        else:
+            self.wire.copy_(master)
+        self.ticket = self.worker.submit(ParamAverage(self, replica))
+        self.finish_at = self.rounds + self.delay
+
+    def finish_param_sync(self, master: torch.Tensor) -> None:
+        """Wait for the streamed sync and apply it: master ← result + (master − launched)."""
+        self.settle()
+        master.add_(self.wire).sub_(self.launched)
+        self.ticket = self.finish_at = None
+
+    def settle(self) -> None:
+        """Wait until the streamed sync in flight, if any, has run (its result in ``wire``)."""
+        if self.ticket is not None:
+            self.worker.wait(self.ticket)
 
     def outer_step(self, delta: torch.Tensor, sl: slice) -> None:
         """The anchor's elements ``sl`` moved by the pseudo-gradient ``delta`` (consumed): plain
@@ -177,9 +253,20 @@ class Desloc(Mode):
     Options = DeslocOptions
 
     @classmethod
+    def is_asynchronous(cls, options: DeslocOptions) -> bool:
+        return options.param_sync_delay > 0
+
+    @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
         require_shard_group_size(cfg, cls.name, "averages state between shard groups")
         o, section = cfg.mode_options, ds.get("lowcomm", {}).get("desloc", {})
+        if o.param_sync_delay >= o.param_sync_every:
+            raise LowCommConfigError(f"lowcomm.desloc.param_sync_delay: got {o.param_sync_delay}; at most "
+                                     f"param_sync_every - 1 ({o.param_sync_every - 1}): one parameter sync "
+                                     f"in flight at a time")
+        if o.param_sync_delay and o.sync_topk:
+            raise LowCommConfigError("lowcomm.desloc.param_sync_delay: compressed syncs (sync_topk) are not "
+                                     "streamed; set param_sync_delay to 0 or sync_topk to 0")
         if o.sync_topk == 0:
             for key in ("sync_chunk", "sync_values"):
                 if key in section:
@@ -195,13 +282,17 @@ class Desloc(Mode):
     def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
         super().__init__(ctx, options)
         self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
-        self.syncs = ReplicaSyncs(options, self.adamw.master)
+        self.syncs = ReplicaSyncs(options, self.adamw.master, ctx.worker)
 
     def step(self) -> None:
         step_now(self.ctx, DeslocRound(self.ctx, self.adamw, self.syncs))
 
     def metrics(self) -> dict:
         return {"sync_periods": dict(self.syncs.periods)}
+
+    def settle(self) -> None:
+        """A streamed sync in flight has run (its result waits for its round to be applied)."""
+        self.syncs.settle()
 
     # -- state: replicas differ between syncs; each rank saves its replica's shards ---------------
 
@@ -221,7 +312,11 @@ class Desloc(Mode):
             sharded["outer_buf"] = syncs.outer_buf
         if syncs.codec is not None:  # this replica's own: what its syncs have not sent yet
             sharded["sync_error"] = syncs.error[: a.master.numel()]
-        return ModeState(meta={"rounds": syncs.rounds}, sharded=sharded, rank={"step": a.step_count})
+        meta = {"rounds": syncs.rounds}
+        if syncs.ticket is not None:  # a streamed sync run (settle) and not yet applied
+            sharded["sync_result"], sharded["sync_launched"] = syncs.wire, syncs.launched
+            meta["sync_finish_at"] = syncs.finish_at
+        return ModeState(meta=meta, sharded=sharded, rank={"step": a.step_count})
 
     def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
         """Saved with this layout: each replica its own state. At another world size or
@@ -233,7 +328,11 @@ class Desloc(Mode):
         A saved error buffer (compressed syncs) is kept where this run compresses too with the
         same layout; anywhere else it is folded into the master (master − error: the progress the
         syncs had not sent yet, which the next sync then carries), so no progress is lost. A run
-        that compresses a checkpoint saved without it anchors at the replicas' mean master."""
+        that compresses a checkpoint saved without it anchors at the replicas' mean master.
+
+        A streamed sync saved in flight is restored in flight where this run streams too with the
+        same layout (applied at the same round, as if never interrupted); anywhere else it is
+        applied at the load (master + result − launched)."""
         a, syncs, topo, layout = self.adamw, self.syncs, self.ctx.topology, self.ctx.flat.layout
         if meta is None:
             a.load_shards(shards, None)
@@ -272,4 +371,14 @@ class Desloc(Mode):
             syncs.error.zero_()
             if keep_error:
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
+        syncs.ticket = syncs.finish_at = None
+        if "sync_result" in keys:
+            if syncs.delay and rank is not None:
+                syncs.wire.copy_(read("sync_result"))
+                syncs.launched.copy_(read("sync_launched"))
+                syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
+                syncs.finish_at = int(meta["sync_finish_at"])
+            else:
+                a.master.add_(read("sync_result")).sub_(read("sync_launched"))
+                params.add_(full("sync_result")).sub_(full("sync_launched"))
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)
