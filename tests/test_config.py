@@ -96,8 +96,6 @@ BAD = [
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"param_sync_every": 4,
                                                                                 "param_sync_delay": 4}),
      "lowcomm.desloc.param_sync_delay", "at most param_sync_every - 1 (3)"),
-    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"param_sync_delay": 1, "sync_topk": 1}),
-     "lowcomm.desloc.param_sync_delay", "compressed syncs (sync_topk) are not streamed"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"outer_momentum": 1.0}),
      "lowcomm.desloc.outer_momentum", "< 1"),
     (_set(("fp16",), {"enabled": True, "fp16_master_weights_and_grads": True}),

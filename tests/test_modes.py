@@ -299,25 +299,32 @@ def _sent(u, chunk, topk, values):
     return torch.zeros_like(rows).scatter(1, idx, v), idx
 
 
-def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, outer_momentum=0.0):
+def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, outer_momentum=0.0, delay=0):
     """Two replicas, each AdamW on its own data; every Kx steps a compressed parameter sync
     (SparseLoCo, arXiv 2508.15706, on DES-LOC's parameter average): u_r = e_r + (anchor − θ_r) over
     the flat parameters padded to 112; each chunk's ``topk`` largest |u_r| rounded to bf16 (or to
     int8 levels of the chunk's largest picked |u_r|); e_r = u_r − what was sent; the anchor moves
-    by the mean of what was sent (or the outer Nesterov step on it) and every θ_r becomes it.
-    Moments never averaged."""
+    by the mean of what was sent (or the outer Nesterov step on it) and every θ_r becomes it;
+    streamed (``delay`` D > 0), θ_r ← anchor + (θ_r − s_r) after step t + D's update instead, s_r
+    the parameters at the sync. Moments never averaged."""
     models = [_model(), _model()]
     opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
     pad = lambda v: torch.cat([v, v.new_zeros(112 - v.numel())])  # noqa: E731
     anchor = pad(_flat(models[0]))
     buf = torch.zeros(112)
     errors = [torch.zeros(112), torch.zeros(112)]
+    pending = None  # (step it is applied at, [s_0, s_1], the anchor it made)
     out = []
     for t in range(1, STEPS + 1):
         for r, (model, opt) in enumerate(zip(models, opts)):
             for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
                 p.grad = g
             opt.step()
+        if pending is not None and pending[0] == t:
+            with torch.no_grad():
+                for model, launched in zip(models, pending[1]):
+                    torch.nn.utils.vector_to_parameters(pending[2][:103] + (_flat(model) - launched), model.parameters())
+            pending = None
         if t % kx == 0:
             sent = []
             for r, model in enumerate(models):
@@ -331,15 +338,18 @@ def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, o
                 anchor = anchor - outer_lr * (delta + outer_momentum * buf)
             else:
                 anchor = anchor - delta
-            with torch.no_grad():
-                for model in models:
-                    torch.nn.utils.vector_to_parameters(anchor[:103].clone(), model.parameters())
+            if delay:
+                pending = (t + delay, [_flat(m) for m in models], anchor.clone())
+            else:
+                with torch.no_grad():
+                    for model in models:
+                        torch.nn.utils.vector_to_parameters(anchor[:103].clone(), model.parameters())
         out.append([_flat(m) for m in models])
     return out
 
 
-@pytest.mark.parametrize("variant", [{}, {"sync_values": "int8"}, {"outer_lr": 0.7, "outer_momentum": 0.9}],
-                         ids=["bf16", "int8", "nesterov"])
+@pytest.mark.parametrize("variant", [{}, {"sync_values": "int8"}, {"outer_lr": 0.7, "outer_momentum": 0.9},
+                                     {"param_sync_delay": 1}], ids=["bf16", "int8", "nesterov", "streamed"])
 def test_desloc_compressed_syncs_follow_the_equations(variant):
     """sync_topk: each parameter sync sends 2 of every 16 elements of u per replica and keeps the
     rest in its error buffer; the replicas meet at the same parameters after every sync."""
@@ -347,11 +357,13 @@ def test_desloc_compressed_syncs_follow_the_equations(variant):
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**sync, **variant}})
     values = variant.get("sync_values", "bf16")
     outer = {k: v for k, v in variant.items() if k.startswith("outer")}
-    ref = _desloc_compressed_reference(2, 2, 16, values, **outer)
+    delay = variant.get("param_sync_delay", 0)
+    ref = _desloc_compressed_reference(2, 2, 16, values, **outer, delay=delay)
     for t in range(STEPS):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
-    assert torch.equal(results[0]["after"][1], results[1]["after"][1])  # synced at step 2
+    # synced at step 2 (streamed: applied after step 3, each replica's own step 3 on top)
+    assert torch.equal(results[0]["after"][1], results[1]["after"][1]) is not bool(delay)
     assert not torch.equal(results[0]["after"][2], results[1]["after"][2])  # apart at step 3
     # One all-gather per sync (steps 2, 4, 6) of 7 chunks × 2 × (1-byte index + 2-byte bf16 value,
     # or 1-byte int8 value + a 4-byte scale per chunk) per replica, (R−1)/R of the 2 payloads sent.

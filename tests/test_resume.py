@@ -55,6 +55,9 @@ CASES = {
     # a streamed parameter sync launched at step 4, applied at 6, in flight at the save after step 5
     "desloc-streamed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 4,
                                                                        "param_sync_delay": 2}), 18, 10),
+    # the same, compressed: the payload encoded at step 4, the anchor it moves saved in flight
+    "desloc-compressed-streamed": (_config("desloc", shard_group_size=1, desloc={
+        "param_sync_every": 4, "param_sync_delay": 2, "sync_topk": 2, "sync_chunk": 16}), 18, 10),
 }
 
 
@@ -111,7 +114,7 @@ def test_resume(tmp_path, case):
         assert r0["digests"][1] == r1["digests"][1]
     if case in ("acco-paper", "demo-overlap"):
         assert r0["in_flight"] == r1["in_flight"] == "result"
-    if case == "desloc-streamed":
+    if case.endswith("streamed"):
         assert r0["in_flight"] == r1["in_flight"] == "sync applied at round 6"
     if case in ("acco", "acco-real-change"):
         assert r0["in_flight"] == r1["in_flight"] == "delta"

@@ -26,9 +26,10 @@ and the error buffer: 8/S bytes per parameter).
 comm worker while the next D local steps compute; after step t + D's update the result x̄ replaces
 the master with the local progress since kept, θ ← x̄ + (θ_{t+D} − θ_t). Nothing computed is
 discarded (Streaming DiLoCo instead mixes θ ← α·θ_{t+D} + (1 − α)·x̄). D = 0 is the synchronous
-sync above; the moments' syncs stay synchronous. It costs two more fp32 buffers per shard element
-(the copy sent and the master at the launch: 8/S bytes per parameter), and a save with a sync in
-flight waits for it and keeps both, so a resume applies it at the same step.
+sync above; compressed syncs stream too (encoded at the launch, all-gathered on the worker); the
+moments' syncs stay synchronous. It costs the master at the launch (4/S bytes per parameter) and,
+for dense syncs, the buffer sent (4/S more); a save with a sync in flight waits for it and keeps
+its result and the launch master, so a resume applies it at the same step.
 Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
 with the same layout gives every replica its own; at another world size or ``shard_group_size``
 every replica starts from the average of the saved replicas (a sync of all three).
@@ -88,10 +89,12 @@ class DeslocOptions:
 
 
 class ParamAverage(Round):
-    """A streamed parameter sync on the comm worker: ``wire`` (this replica's master at the launch,
-    or with the outer optimizer its pseudo-gradient anchor − master) all-reduced over the replica
-    group and turned into the sync's result, the parameters every replica agrees on (the mean, or
-    the anchor after the outer step). Cost: one all-reduce of 4·S bytes, 2(R−1)/R of it sent."""
+    """A streamed parameter sync on the comm worker, launched by
+    :meth:`ReplicaSyncs.start_param_sync`: dense, ``wire`` (this replica's master, or with the
+    outer optimizer its pseudo-gradient anchor − master) all-reduced over the replica group, 4·S
+    bytes of which 2(R−1)/R sent; compressed, the payload encoded at the launch all-gathered,
+    (R−1) payloads sent. It leaves the sync's result, the parameters every replica agrees on, in
+    :attr:`ReplicaSyncs.result` (the mean, or the anchor moved by the mean or the outer step)."""
 
     def __init__(self, syncs: "ReplicaSyncs", replica) -> None:
         self.syncs, self.replica = syncs, replica
@@ -100,12 +103,14 @@ class ParamAverage(Round):
         """Nothing: :meth:`ReplicaSyncs.start_param_sync` fills the wire before submitting."""
 
     def run(self) -> None:
-        syncs, wire = self.syncs, self.syncs.wire
-        self.replica.all_reduce(wire)
-        wire.mul_(1.0 / self.replica.world)
-        if syncs.outer:  # the anchor and momentum are the worker's until the sync is applied
-            syncs.outer_step(wire, slice(None))
-            wire.copy_(syncs.anchor)
+        syncs = self.syncs  # the anchor and outer momentum are the worker's until the sync is applied
+        if syncs.codec is not None:
+            syncs.apply_compressed(self.replica)
+            return
+        self.replica.all_reduce(syncs.wire)
+        syncs.wire.mul_(1.0 / self.replica.world)
+        if syncs.outer:
+            syncs.outer_step(syncs.wire, slice(None))
 
     def install(self) -> None:
         """Nothing: :meth:`ReplicaSyncs.finish_param_sync` applies the result."""
@@ -139,8 +144,14 @@ class ReplicaSyncs:
         self.ticket: Optional[Ticket] = None
         self.finish_at: Optional[int] = None
         if self.delay:
-            self.wire = torch.zeros_like(master)      # sent; then the sync's result
             self.launched = torch.zeros_like(master)  # this replica's master at the launch
+            if self.codec is None:  # what the all-reduce sends (compressed syncs send the payload)
+                self.wire = torch.zeros_like(master)
+
+    @property
+    def result(self) -> torch.Tensor:
+        """Where a streamed sync leaves its result: the anchor where there is one, else the wire."""
+        return self.anchor if self.anchored else self.wire
 
     def restart(self, master: torch.Tensor) -> None:
         """The anchor at ``master``; no outer momentum, an empty error buffer."""
@@ -178,12 +189,15 @@ class ReplicaSyncs:
 
     def start_param_sync(self, master: torch.Tensor, replica) -> None:
         """Launch a streamed parameter sync (module doc) on the comm worker, to be applied after
-        the update of round ``rounds + delay``. Never blocks (a sync still pending is applied
-        first: only after a change of periods)."""
+        the update of round ``rounds + delay``: dense, the wire filled here; compressed, the
+        payload encoded here (on the training thread/stream, from the master now). Never blocks
+        (a sync still pending is applied first: only after a change of periods)."""
         if self.ticket is not None:
             self.finish_param_sync(master)
         self.launched.copy_(master)
-        if self.outer:
+        if self.codec is not None:
+            self.encode_compressed(master)
+        elif self.outer:
             torch.sub(self.anchor, master, out=self.wire)
         else:
             self.wire.copy_(master)
@@ -193,11 +207,11 @@ class ReplicaSyncs:
     def finish_param_sync(self, master: torch.Tensor) -> None:
         """Wait for the streamed sync and apply it: master ← result + (master − launched)."""
         self.settle()
-        master.add_(self.wire).sub_(self.launched)
+        master.add_(self.result).sub_(self.launched)
         self.ticket = self.finish_at = None
 
     def settle(self) -> None:
-        """Wait until the streamed sync in flight, if any, has run (its result in ``wire``)."""
+        """Wait until the streamed sync in flight, if any, has run (its result in :attr:`result`)."""
         if self.ticket is not None:
             self.worker.wait(self.ticket)
 
@@ -211,25 +225,35 @@ class ReplicaSyncs:
         self.anchor[sl].sub_(delta.add_(self.outer_buf[sl], alpha=self.outer_momentum), alpha=self.outer_lr)
 
     def sync_compressed(self, master: torch.Tensor, replica) -> None:
-        """A compressed parameter sync (module doc): u = e + (anchor − master); the top-k of each
-        chunk of u sent in one all-gather of :attr:`ChunkTopK.payload_bytes` per replica, the rest
-        kept in the error buffer; every replica moves the anchor by the same mean and takes it as
-        its master. Cost: (R−1)/R · R · payload bytes sent per rank."""
-        codec, n = self.codec, master.numel()
+        """A compressed parameter sync (module doc): :meth:`encode_compressed`, then
+        :meth:`apply_compressed`, and every replica takes the anchor as its master. Cost:
+        (R−1)/R · R · payload bytes sent per rank."""
+        self.encode_compressed(master)
+        self.apply_compressed(replica)
+        master.copy_(self.anchor)
+
+    def encode_compressed(self, master: torch.Tensor) -> None:
+        """u = e + (anchor − master) in the error buffer; the top-k of each chunk of u into the
+        payload, the rest kept in the error buffer. No communication."""
+        n = master.numel()
         step = max(1, CHUNK_BYTES // 4)
         for a in range(0, n, step):  # u, in the error buffer (no shard-sized temporary)
             b = min(n, a + step)
             self.error[a:b].add_(self.anchor[a:b] - master[a:b])
-        codec.encode(self.error, self.payload)
+        self.codec.encode(self.error, self.payload)
+
+    def apply_compressed(self, replica) -> None:
+        """Every replica's payload in one all-gather of :attr:`ChunkTopK.payload_bytes` each; the
+        anchor moved by their mean (or the outer step on it), the same on every replica."""
+        codec, n = self.codec, self.anchor.numel()
         gathered = self.payload.new_empty(replica.world * codec.payload_bytes)
         replica.all_gather(gathered, self.payload)
         payloads = list(gathered.chunk(replica.world))
         for r0, r1 in codec.row_blocks():
             a, b = r0 * codec.chunk, min(n, r1 * codec.chunk)
-            mean = temporary((r1 - r0) * codec.chunk, torch.float32, master.device).view(r1 - r0, codec.chunk)
+            mean = temporary((r1 - r0) * codec.chunk, torch.float32, self.anchor.device).view(r1 - r0, codec.chunk)
             codec.mean_into(payloads, r0, r1, mean)
             self.outer_step(mean.view(-1)[: b - a], slice(a, b))
-        master.copy_(self.anchor)
 
 
 class DeslocRound(ShardedStepRound):
@@ -264,9 +288,6 @@ class Desloc(Mode):
             raise LowCommConfigError(f"lowcomm.desloc.param_sync_delay: got {o.param_sync_delay}; at most "
                                      f"param_sync_every - 1 ({o.param_sync_every - 1}): one parameter sync "
                                      f"in flight at a time")
-        if o.param_sync_delay and o.sync_topk:
-            raise LowCommConfigError("lowcomm.desloc.param_sync_delay: compressed syncs (sync_topk) are not "
-                                     "streamed; set param_sync_delay to 0 or sync_topk to 0")
         if o.sync_topk == 0:
             for key in ("sync_chunk", "sync_values"):
                 if key in section:
@@ -314,7 +335,7 @@ class Desloc(Mode):
             sharded["sync_error"] = syncs.error[: a.master.numel()]
         meta = {"rounds": syncs.rounds}
         if syncs.ticket is not None:  # a streamed sync run (settle) and not yet applied
-            sharded["sync_result"], sharded["sync_launched"] = syncs.wire, syncs.launched
+            sharded["sync_result"], sharded["sync_launched"] = syncs.result, syncs.launched
             meta["sync_finish_at"] = syncs.finish_at
         return ModeState(meta=meta, sharded=sharded, rank={"step": a.step_count})
 
@@ -374,7 +395,7 @@ class Desloc(Mode):
         syncs.ticket = syncs.finish_at = None
         if "sync_result" in keys:
             if syncs.delay and rank is not None:
-                syncs.wire.copy_(read("sync_result"))
+                syncs.result.copy_(read("sync_result"))
                 syncs.launched.copy_(read("sync_launched"))
                 syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
                 syncs.finish_at = int(meta["sync_finish_at"])
