@@ -165,7 +165,9 @@ class ReplicaSyncs:
     def average_due(self, adamw: ShardAdamW, replica) -> None:
         """After the local update (or its skip), before the all-gather: average over ``replica``
         (the replica group, None with one replica) the states due this round, each in place in
-        one all-reduce of 4·S bytes (one concatenated call would hold a copy of them all)."""
+        one all-reduce of 4·S bytes (one concatenated call would hold a copy of them all). With
+        ``param_sync_delay``, first apply the streamed sync due this round, then launch the
+        parameter sync instead of running it (its bytes the same, sent from the comm worker)."""
         self.rounds += 1
         if self.finish_at == self.rounds:
             self.finish_param_sync(adamw.master)
@@ -355,6 +357,7 @@ class Desloc(Mode):
         same layout (applied at the same round, as if never interrupted); anywhere else it is
         applied at the load (master + result − launched)."""
         a, syncs, topo, layout = self.adamw, self.syncs, self.ctx.topology, self.ctx.flat.layout
+        syncs.ticket = syncs.finish_at = None  # (settled) a sync of the state this load replaces
         if meta is None:
             a.load_shards(shards, None)
             syncs.rounds = 0
@@ -392,7 +395,6 @@ class Desloc(Mode):
             syncs.error.zero_()
             if keep_error:
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
-        syncs.ticket = syncs.finish_at = None
         if "sync_result" in keys:
             if syncs.delay and rank is not None:
                 syncs.result.copy_(read("sync_result"))
