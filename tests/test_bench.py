@@ -81,7 +81,8 @@ def test_bench_refuses_before_its_first_run(tmp_path, capsys):
 def test_bench_desloc_peers_configs(tmp_path):
     """``diloco`` is DiLoCo's recipe on desloc's replicas (parameters only, outer Nesterov 0.7 /
     0.9 every H steps) and ``desloc-compressed`` sends top-1 of 64 per parameter sync, moments
-    never averaged, ``desloc-streamed`` applies each parameter sync 12 steps late; they keep the regime's period (the slow-link config's 64 under --regime slow),
+    never averaged, ``desloc-streamed`` applies each parameter sync 12 steps late; they keep the
+    regime's period (the slow-link config's 64 under --regime slow),
     and a --set still overrides them."""
     from ds_lowcomm.bench import cli
     from ds_lowcomm.bench.runs import write_config

@@ -32,7 +32,7 @@ def test_a_restart_on_the_shared_store_names_the_fix(caplog, env, warns):
 def test_a_killed_node_restarts_from_the_newest_checkpoint(tmp_path):
     """One kill, desloc (the tool's default reports 20 per mode): the survivor resumes from the
     last save at or before the kill and finishes. With torch's shared rendezvous store (the tool
-    turns it off) the restarted workers fail to connect in about half of the trials."""
+    turns it off) the restarted workers failed to connect in 5 of 6 trials on a 2-core machine."""
     out = tmp_path / "trials.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "elastic_restarts.py"), "--kills", "1", "--modes",

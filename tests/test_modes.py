@@ -34,11 +34,18 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y) / GAS
 
 
-def _train(rank, world, lowcomm, clip=0.0, record="params"):
+def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=None, cross_at=None):
     """STEPS steps of the mode from ``lowcomm`` (a "lowcomm" JSON section) through a ModeContext
     built here as the optimizer builds it; returns, flat, after each step, the model's parameters
     (after a flush) or, ``record="master"``, the mode's fp32 master (acco: a flush would move the
-    model off the estimate the next micro-batch is computed at)."""
+    model off the estimate the next micro-batch is computed at; desloc's streamed syncs: a flush
+    applies the sync in flight) or ``"local"``, desloc's master shard with ``shard_group_size`` 1
+    (reading it waits for nothing). ``hold_worker_until`` t: the replica collectives the comm worker
+    runs wait until step t has ended on the training thread (``"held_too_long"``: they gave up
+    after 20 s, so the training thread was waiting for them). ``cross_at`` t: in step t, a
+    replica collective of the training thread and one of the worker are issued in opposite orders
+    on ranks 0 and 1 if both are allowed to run at once (each waits up to 3 s for the other)."""
+    import threading
     from ds_lowcomm.comm.collectives import CommStats
     from ds_lowcomm.comm.topology import Topology
     from ds_lowcomm.comm.worker import CommWorker
@@ -64,10 +71,38 @@ def _train(rank, world, lowcomm, clip=0.0, record="params"):
                       checkpoint_comm=topo.shard.counted_in(CommStats()), _loss_scale=lambda: 1.0,
                       _steps=lambda: steps[0], step_taken=lambda: steps.__setitem__(0, steps[0] + 1),
                       record_step=lambda *verdict: None)
+    released, held_too_long = threading.Event(), []
+    step_now_index = [0]
+    if cross_at is not None:
+        main_in, worker_in = threading.Event(), threading.Event()
+
+        def crossed(t, _call=topo.replica.all_reduce):
+            on_worker = threading.current_thread() is not threading.main_thread()
+            if on_worker and rank == 0:
+                main_in.wait(timeout=3)
+            if not on_worker and step_now_index[0] == cross_at:
+                if rank == 0:  # this rank's worker goes after it
+                    try:
+                        return _call(t)
+                    finally:
+                        main_in.set()
+                worker_in.wait(timeout=3)  # this rank's main thread goes after its worker
+            if on_worker:
+                worker_in.set()
+            return _call(t)
+        topo.replica.all_reduce = crossed
+    if hold_worker_until is not None:
+        for name in ("all_reduce", "all_gather"):
+            def held(*args, _call=getattr(topo.replica, name)):
+                if threading.current_thread() is not threading.main_thread():
+                    held_too_long.append(not released.wait(timeout=20))
+                return _call(*args)
+            setattr(topo.replica, name, held)
     mode = mode_cls(ctx, cfg.mode_options)
     mode.bind_loop(False)
     after = []
     for t in range(STEPS):
+        step_now_index[0] = t
         grads.attach()
         for m in range(GAS):
             boundary = m == GAS - 1
@@ -76,7 +111,11 @@ def _train(rank, world, lowcomm, clip=0.0, record="params"):
             grads.count(True, 1.0)
             mode.on_micro_batch_end(boundary)
         mode.step()
-        if record == "master":
+        if t == hold_worker_until:
+            released.set()
+        if record == "local":  # desloc's master with one rank per replica, read without waiting
+            after.append(mode.adamw.master[:flat.layout.numel].clone())
+        elif record == "master":
             after.append(mode.master_weights())
         else:
             mode.flush()
@@ -84,7 +123,7 @@ def _train(rank, world, lowcomm, clip=0.0, record="params"):
     if worker is not None:
         worker.close()
     torch.distributed.destroy_process_group()
-    return {"after": after, "steps": steps[0], "bytes": stats.as_dict()["ops"]}
+    return {"after": after, "steps": steps[0], "bytes": stats.as_dict()["ops"], "held_too_long": held_too_long}
 
 
 def _grad(model, rank, t):
@@ -267,21 +306,63 @@ def _desloc_streamed_reference(kx, delay, ku, kv, outer_lr=1.0, outer_momentum=0
     return out
 
 
-@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
-def test_desloc_streamed_syncs_apply_late_with_the_local_progress(outer):
-    """param_sync_delay 1: each parameter sync's all-reduce runs on the comm worker during the next
-    step and is applied after it, the step's own progress kept on top of the average."""
-    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4, param_sync_delay=1)
-    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}})
-    ref = _desloc_streamed_reference(2, 1, 3, 4, **outer)
+@pytest.mark.parametrize("kx, delay, outer", [(2, 1, {}), (3, 2, {}), (2, 1, {"outer_lr": 0.7, "outer_momentum": 0.9})],
+                         ids=["average", "average-2-late", "nesterov"])
+def test_desloc_streamed_syncs_apply_late_with_the_local_progress(kx, delay, outer):
+    """param_sync_delay D: each parameter sync's all-reduce runs on the comm worker during the next
+    D steps and is applied after the last of them, their own progress kept on top of the average.
+    (The master is recorded: a flush would apply the sync in flight at once.)"""
+    periods = dict(param_sync_every=kx, momentum_sync_every=3, variance_sync_every=4, param_sync_delay=delay)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}},
+                        0.0, "master")
+    ref = _desloc_streamed_reference(kx, delay, 3, 4, **outer)
     for t in range(STEPS):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
-    # the synchronous sync would have made the replicas equal after step 2; streamed they differ
-    # by their own step 3 only
-    assert not torch.equal(results[0]["after"][1], results[1]["after"][1])
-    ops = results[0]["bytes"]["replica.all_reduce"]  # the same syncs as synchronous: θ at 2, 4, 6
-    assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
+    # the synchronous sync would have made the replicas equal after step Kx; streamed they differ
+    # by their own steps since
+    assert not torch.equal(results[0]["after"][kx - 1], results[1]["after"][kx - 1])
+    ops = results[0]["bytes"]["replica.all_reduce"]  # the same syncs as synchronous
+    syncs = STEPS // kx + STEPS // 3 + STEPS // 4
+    assert ops["calls"] == syncs and ops["bytes_sent"] == syncs * 112 * 4
+
+
+def test_desloc_flush_applies_the_streamed_sync_in_flight():
+    """A flush (before an export) applies the sync in flight at once: flushed after every step,
+    a streamed run is the synchronous one, θ ← x̄ + (θ_t − θ_t)."""
+    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1,
+                                    "desloc": {**periods, "param_sync_delay": 1}}, 0.0, "params")
+    ref = _desloc_reference(2, 3, 4)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+
+
+def test_desloc_streamed_sync_runs_while_the_steps_compute():
+    """A sync launched after step 3 with D = 2: its all-reduce on the comm worker is held until step
+    4 has ended on the training thread. Step 4 must not wait for it (it would, were the local
+    steps queued on the same worker: then the hold gives up after 20 s); step 5 applies it."""
+    sync = dict(param_sync_every=3, momentum_sync_every=0, variance_sync_every=0, param_sync_delay=2)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": sync}, 0.0, "local", 3)
+    ref = _desloc_streamed_reference(3, 2, 1 << 20, 1 << 20)
+    for r, res in enumerate(results):
+        assert res["held_too_long"] == [False, False]  # the syncs of steps 3 and 6, each held
+        for t in range(STEPS):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+
+
+def test_desloc_streamed_sync_and_a_moment_sync_never_cross():
+    """A sync launched after step 3 with D = 2 is still in flight when step 4 averages the second
+    moment on the same replica group. Were both collectives allowed at once, rank 0 would issue
+    the moment's first and rank 1 the sync's (``cross_at``), averaging v with θ; the moment's
+    waits for the sync instead, and both follow the equations."""
+    sync = dict(param_sync_every=3, momentum_sync_every=0, variance_sync_every=4, param_sync_delay=2)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": sync}, 0.0, "local", None, 3)
+    ref = _desloc_streamed_reference(3, 2, 1 << 20, 4)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
 
 
 def _sent(u, chunk, topk, values):
@@ -354,7 +435,8 @@ def test_desloc_compressed_syncs_follow_the_equations(variant):
     """sync_topk: each parameter sync sends 2 of every 16 elements of u per replica and keeps the
     rest in its error buffer; the replicas meet at the same parameters after every sync."""
     sync = dict(param_sync_every=2, momentum_sync_every=0, variance_sync_every=0, sync_topk=2, sync_chunk=16)
-    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**sync, **variant}})
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**sync, **variant}},
+                        0.0, "master")
     values = variant.get("sync_values", "bf16")
     outer = {k: v for k, v in variant.items() if k.startswith("outer")}
     delay = variant.get("param_sync_delay", 0)

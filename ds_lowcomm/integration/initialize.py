@@ -89,7 +89,6 @@ def _check_model(model) -> None:
         raise LowCommConfigError("model: DeepSpeed MoE layers are not supported by ds_lowcomm")
 
 
-@functools.wraps(_original_initialize)
 def warn_shared_rendezvous_store(env) -> bool:
     """On a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) whose workers share the agent's
     TCP store (torch's default with c10d rendezvous), say once per node that the restarted process
@@ -107,6 +106,7 @@ def warn_shared_rendezvous_store(env) -> bool:
     return True
 
 
+@functools.wraps(_original_initialize)
 def initialize(*args, **kwargs):
     """``deepspeed.initialize`` (same signature and return value), with a :class:`LowCommEngine`
     when the config has a ``"lowcomm"`` section.

@@ -27,7 +27,8 @@ comm worker while the next D local steps compute; after step t + D's update the 
 the master with the local progress since kept, θ ← x̄ + (θ_{t+D} − θ_t). Nothing computed is
 discarded (Streaming DiLoCo instead mixes θ ← α·θ_{t+D} + (1 − α)·x̄). D = 0 is the synchronous
 sync above; compressed syncs stream too (encoded at the launch, all-gathered on the worker); the
-moments' syncs stay synchronous. It costs the master at the launch (4/S bytes per parameter) and,
+moments' syncs stay synchronous. The local steps stay on the training thread: the worker carries
+the syncs only, so D steps of compute can hide one. It costs the master at the launch (4/S bytes per parameter) and,
 for dense syncs, the buffer sent (4/S more); a save with a sync in flight waits for it and keeps
 its result and the launch master, so a resume applies it at the same step.
 Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
@@ -43,6 +44,7 @@ learning-rate schedule wait one step).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -174,9 +176,13 @@ class ReplicaSyncs:
         due = [k for k, every in self.periods.items() if every != NEVER and self.rounds % every == 0]
         if replica is None or not due:
             return
-        if self.delay and "master" in due:
+        launch = self.delay and "master" in due
+        if launch:
             due.remove("master")
-            self.start_param_sync(adamw.master, replica)
+        if due and self.ticket is not None:
+            # One collective at a time on the replica group, in the same order on every rank: a
+            # sync still on the worker runs first (with periods that are multiples of Kx, none is).
+            self.settle()
         if self.codec is not None and "master" in due:
             due.remove("master")
             self.sync_compressed(adamw.master, replica)
@@ -188,6 +194,8 @@ class ReplicaSyncs:
             delta = self.anchor - adamw.master  # identical on every replica: from averages
             self.outer_step(delta, slice(None))
             adamw.master.copy_(self.anchor)
+        if launch:  # after the moments' syncs: those run on this thread, the launch on the worker
+            self.start_param_sync(adamw.master, replica)
 
     def start_param_sync(self, master: torch.Tensor, replica) -> None:
         """Launch a streamed parameter sync (module doc) on the comm worker, to be applied after
@@ -306,9 +314,12 @@ class Desloc(Mode):
         super().__init__(ctx, options)
         self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
         self.syncs = ReplicaSyncs(options, self.adamw.master, ctx.worker)
+        # The local step runs on the training thread; the comm worker (param_sync_delay > 0) is
+        # the streamed syncs' alone, so a sync in flight never queues a step behind it.
+        self.local_ctx = dataclasses.replace(ctx, worker=None)
 
     def step(self) -> None:
-        step_now(self.ctx, DeslocRound(self.ctx, self.adamw, self.syncs))
+        step_now(self.local_ctx, DeslocRound(self.local_ctx, self.adamw, self.syncs))
 
     def metrics(self) -> dict:
         return {"sync_periods": dict(self.syncs.periods)}
@@ -317,10 +328,20 @@ class Desloc(Mode):
         """A streamed sync in flight has run (its result waits for its round to be applied)."""
         self.syncs.settle()
 
+    def flush(self) -> None:
+        """Before the final export: apply a streamed sync still in flight now (its round may never
+        come) and gather the master into the model (an all-gather inside the shard group).
+        Checkpoints keep it in flight instead (:meth:`state`)."""
+        if self.syncs.ticket is not None:
+            self.syncs.finish_param_sync(self.adamw.master)
+            self.ctx.set_params(self.master_weights())
+
     # -- state: replicas differ between syncs; each rank saves its replica's shards ---------------
 
     def master_weights(self) -> torch.Tensor:
-        """This replica's full master (collective over the shard group)."""
+        """This replica's full master (collective over the shard group; after a streamed sync's
+        collective, so the two never run at once)."""
+        self.syncs.settle()
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 
     def state(self) -> ModeState:
@@ -337,7 +358,9 @@ class Desloc(Mode):
             sharded["sync_error"] = syncs.error[: a.master.numel()]
         meta = {"rounds": syncs.rounds}
         if syncs.ticket is not None:  # a streamed sync run (settle) and not yet applied
-            sharded["sync_result"], sharded["sync_launched"] = syncs.result, syncs.launched
+            sharded["sync_launched"] = syncs.launched
+            if not syncs.anchored:  # (else the result is the anchor, saved above)
+                sharded["sync_result"] = syncs.wire
             meta["sync_finish_at"] = syncs.finish_at
         return ModeState(meta=meta, sharded=sharded, rank={"step": a.step_count})
 
@@ -360,10 +383,15 @@ class Desloc(Mode):
         syncs.ticket = syncs.finish_at = None  # (settled) a sync of the state this load replaces
         if meta is None:
             a.load_shards(shards, None)
+            params = shards.full("master", a.master)
+            if "sync_launched" in shards.keys():  # replica 0's streamed sync in flight: applied
+                result = "anchor" if "anchor" in shards.keys() else "sync_result"
+                a.master.add_(shards.shard(result, layout, a.master)).sub_(shards.shard("sync_launched", layout, a.master))
+                params.add_(shards.full(result, a.master)).sub_(shards.full("sync_launched", a.master))
             syncs.rounds = 0
             if syncs.anchored:
                 syncs.restart(a.master)
-            self.ctx.set_params(shards.full("master", a.master))
+            self.ctx.set_params(params)
             return
         keys = shards.keys()
         if syncs.outer and "anchor" not in keys:
@@ -395,13 +423,14 @@ class Desloc(Mode):
             syncs.error.zero_()
             if keep_error:
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
-        if "sync_result" in keys:
-            if syncs.delay and rank is not None:
-                syncs.result.copy_(read("sync_result"))
+        if "sync_launched" in keys:  # a streamed sync in flight at the save
+            result = "anchor" if "anchor" in keys else "sync_result"
+            if syncs.delay and rank is not None and (result == "anchor") == syncs.anchored:
+                syncs.result.copy_(read(result))
                 syncs.launched.copy_(read("sync_launched"))
                 syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
                 syncs.finish_at = int(meta["sync_finish_at"])
             else:
-                a.master.add_(read("sync_result")).sub_(read("sync_launched"))
-                params.add_(full("sync_result")).sub_(full("sync_launched"))
+                a.master.add_(read(result)).sub_(read("sync_launched"))
+                params.add_(full(result)).sub_(full("sync_launched"))
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)
