@@ -203,67 +203,13 @@ def test_acco_is_adamw_with_an_estimate_step():
     assert not torch.equal(_flat(estimate), _flat(ref))  # the estimate is a real step ahead
 
 
-def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0):
+def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
     """Two replicas, each AdamW on its own rank's data; after step t's update the parameters are
     averaged when Kx divides t (DiLoCo's outer Nesterov on the average when configured), the first
-    moment when Ku does, the second when Kv does (DES-LOC, arXiv 2505.22549, Algorithm 1)."""
-    models = [_model(), _model()]
-    opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
-    anchor = [p.detach().clone() for p in models[0].parameters()]
-    buf = [torch.zeros_like(a) for a in anchor]
-    out = []
-    for t in range(1, STEPS + 1):
-        for r, (model, opt) in enumerate(zip(models, opts)):
-            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
-                p.grad = g
-            opt.step()
-        pairs = list(zip(models[0].parameters(), models[1].parameters()))
-        if t % kv == 0:
-            for a, b in pairs:
-                avg = (opts[0].state[a]["exp_avg_sq"] + opts[1].state[b]["exp_avg_sq"]) * 0.5
-                opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"] = avg.clone(), avg.clone()
-        if t % ku == 0:
-            for a, b in pairs:
-                avg = (opts[0].state[a]["exp_avg"] + opts[1].state[b]["exp_avg"]) * 0.5
-                opts[0].state[a]["exp_avg"], opts[1].state[b]["exp_avg"] = avg.clone(), avg.clone()
-        if t % kx == 0:
-            with torch.no_grad():
-                for i, (a, b) in enumerate(pairs):
-                    avg = (a + b) * 0.5
-                    if outer_lr != 1.0 or outer_momentum != 0.0:
-                        delta = anchor[i] - avg  # the outer pseudo-gradient
-                        buf[i] = outer_momentum * buf[i] + delta
-                        anchor[i] = anchor[i] - outer_lr * (delta + outer_momentum * buf[i])  # Nesterov
-                        avg = anchor[i]
-                    a.copy_(avg)
-                    b.copy_(avg)
-        out.append([_flat(m) for m in models])
-    return out
-
-
-@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
-def test_desloc_is_local_adamw_with_its_averages(outer):
-    """Each rank its own replica (shard_group_size 1); parameters, first and second moments
-    averaged on their own periods (2, 3, 4: every combination meets within 6 steps)."""
-    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4)
-    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}})
-    ref = _desloc_reference(2, 3, 4, **outer)
-    for t in range(STEPS):
-        for r, res in enumerate(results):
-            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
-    assert torch.equal(results[0]["after"][1], results[1]["after"][1])  # synced at step 2
-    assert not torch.equal(results[0]["after"][2], results[1]["after"][2])  # apart at step 3
-    # replica bytes: the 103 fp32 elements padded to 112 (whole blocks of 16) per all-reduce,
-    # 2·(R−1)/R of them per call; the syncs of 6 steps: θ at 2, 4, 6, m at 3, 6, v at 4
-    ops = results[0]["bytes"]["replica.all_reduce"]
-    assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
-
-
-def _desloc_streamed_reference(kx, delay, ku, kv, outer_lr=1.0, outer_momentum=0.0):
-    """Two replicas, each AdamW on its own data; a parameter sync launched after step t's update
-    (Kx divides t) is applied after step t + D's: θ_r ← x̄ + (θ_r − s_r), s_r the parameters at t,
-    x̄ their mean (or the anchor after DiLoCo's outer Nesterov step on anchor − mean). The first
-    moment averaged when Ku divides t, the second when Kv does, at once."""
+    moment when Ku does, the second when Kv does (DES-LOC, arXiv 2505.22549, Algorithm 1).
+    Streamed (``delay`` D > 0): the parameter sync launched after step t is applied after step
+    t + D's update, θ_r ← x̄ + (θ_r − s_r), s_r the parameters at t, x̄ their mean (or the anchor
+    after the outer step)."""
     models = [_model(), _model()]
     opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
@@ -296,14 +242,38 @@ def _desloc_streamed_reference(kx, delay, ku, kv, outer_lr=1.0, outer_momentum=0
             for i, (a, b) in enumerate(zip(*launched)):
                 avg = (a + b) * 0.5
                 if outer_lr != 1.0 or outer_momentum != 0.0:
-                    delta = anchor[i] - avg
+                    delta = anchor[i] - avg  # the outer pseudo-gradient
                     buf[i] = outer_momentum * buf[i] + delta
-                    anchor[i] = anchor[i] - outer_lr * (delta + outer_momentum * buf[i])
+                    anchor[i] = anchor[i] - outer_lr * (delta + outer_momentum * buf[i])  # Nesterov
                     avg = anchor[i]
                 result.append(avg)
-            pending = (t + delay, launched, result)
+            if delay:
+                pending = (t + delay, launched, result)
+            else:
+                with torch.no_grad():
+                    for model in models:
+                        for p, x in zip(model.parameters(), result):
+                            p.copy_(x)
         out.append([_flat(m) for m in models])
     return out
+
+
+@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
+def test_desloc_is_local_adamw_with_its_averages(outer):
+    """Each rank its own replica (shard_group_size 1); parameters, first and second moments
+    averaged on their own periods (2, 3, 4: every combination meets within 6 steps)."""
+    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}})
+    ref = _desloc_reference(2, 3, 4, **outer)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[0]["after"][1], results[1]["after"][1])  # synced at step 2
+    assert not torch.equal(results[0]["after"][2], results[1]["after"][2])  # apart at step 3
+    # replica bytes: the 103 fp32 elements padded to 112 (whole blocks of 16) per all-reduce,
+    # 2·(R−1)/R of them per call; the syncs of 6 steps: θ at 2, 4, 6, m at 3, 6, v at 4
+    ops = results[0]["bytes"]["replica.all_reduce"]
+    assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
 
 
 @pytest.mark.parametrize("kx, delay, outer", [(2, 1, {}), (3, 2, {}), (2, 1, {"outer_lr": 0.7, "outer_momentum": 0.9})],
@@ -315,7 +285,7 @@ def test_desloc_streamed_syncs_apply_late_with_the_local_progress(kx, delay, out
     periods = dict(param_sync_every=kx, momentum_sync_every=3, variance_sync_every=4, param_sync_delay=delay)
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}},
                         0.0, "master")
-    ref = _desloc_streamed_reference(kx, delay, 3, 4, **outer)
+    ref = _desloc_reference(kx, 3, 4, **outer, delay=delay)
     for t in range(STEPS):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
@@ -345,7 +315,7 @@ def test_desloc_streamed_sync_runs_while_the_steps_compute():
     steps queued on the same worker: then the hold gives up after 20 s); step 5 applies it."""
     sync = dict(param_sync_every=3, momentum_sync_every=0, variance_sync_every=0, param_sync_delay=2)
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": sync}, 0.0, "local", 3)
-    ref = _desloc_streamed_reference(3, 2, 1 << 20, 1 << 20)
+    ref = _desloc_reference(3, 1 << 20, 1 << 20, delay=2)
     for r, res in enumerate(results):
         assert res["held_too_long"] == [False, False]  # the syncs of steps 3 and 6, each held
         for t in range(STEPS):
@@ -359,7 +329,7 @@ def test_desloc_streamed_sync_and_a_moment_sync_never_cross():
     waits for the sync instead, and both follow the equations."""
     sync = dict(param_sync_every=3, momentum_sync_every=0, variance_sync_every=4, param_sync_delay=2)
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": sync}, 0.0, "local", None, 3)
-    ref = _desloc_streamed_reference(3, 2, 1 << 20, 4)
+    ref = _desloc_reference(3, 1 << 20, 4, delay=2)
     for t in range(STEPS):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
