@@ -419,6 +419,26 @@ def test_per_rank_state_reshards(tmp_path, mode):
             assert len({got["digest"] for got in loaded}) == 1
 
 
+def _load_weights_only(rank, world, save_dir):
+    engine = workers.build_engine(PER_RANK["desloc-streamed"][0], seed=5)
+    engine.load_checkpoint(save_dir, load_optimizer_states=False)
+    opt = engine.optimizer
+    return opt.flat.unpadded(opt.flat.buffer).float().clone(), opt.mode.syncs.ticket is None
+
+
+def test_a_weights_only_load_applies_the_streamed_sync_in_flight(tmp_path):
+    """Weights only from a desloc checkpoint saved with a streamed sync in flight: every rank gets
+    replica 0's master plus the sync (its result minus replica 0's master at the launch), read
+    here from the saved files, and nothing stays in flight."""
+    numel = run_ranks(_save_per_rank, 2, str(tmp_path), "desloc-streamed")[0]
+    tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
+    shards = torch.load(tag / "lowcomm_rank00000.pt", weights_only=True)["shards"]
+    want = shards["master"][:numel] + shards["sync_result"][:numel] - shards["sync_launched"][:numel]
+    for params, idle in run_ranks(_load_weights_only, 2, str(tmp_path)):
+        assert idle and torch.equal(params, want)
+        assert not torch.equal(params, shards["master"][:numel])
+
+
 #: the modes' checkpoint contract: they describe and restore state, and communicate nothing
 STATE_METHODS = ("state", "restore")
 QUIET_MODES = {**workers.STEP_MODES, "desloc-mid-period": {"shard_group_size": 1, "desloc": {"param_sync_every": 4}}}

@@ -266,6 +266,20 @@ class ReplicaSyncs:
             self.outer_step(mean.view(-1)[: b - a], slice(a, b))
 
 
+def saved_sync_result(keys) -> str:
+    """The key of a saved streamed sync's result: the anchor where the run had one."""
+    return "anchor" if "anchor" in keys else "sync_result"
+
+
+def apply_saved_sync(keys, master: torch.Tensor, params: torch.Tensor, read, full) -> None:
+    """Apply a streamed sync saved in flight at a load: ``master`` (this rank's shard) and
+    ``params`` (the full parameters) += result − the master at its launch, ``read``/``full``
+    reading a key's shard or whole vector."""
+    result = saved_sync_result(keys)
+    master.add_(read(result)).sub_(read("sync_launched"))
+    params.add_(full(result)).sub_(full("sync_launched"))
+
+
 class DeslocRound(ShardedStepRound):
     """A replica's local AdamW step (ZeRO-1 inside its shard group), with the averages due this
     round between the update and the all-gather, so the all-gather spreads the average."""
@@ -384,10 +398,9 @@ class Desloc(Mode):
         if meta is None:
             a.load_shards(shards, None)
             params = shards.full("master", a.master)
-            if "sync_launched" in shards.keys():  # replica 0's streamed sync in flight: applied
-                result = "anchor" if "anchor" in shards.keys() else "sync_result"
-                a.master.add_(shards.shard(result, layout, a.master)).sub_(shards.shard("sync_launched", layout, a.master))
-                params.add_(shards.full(result, a.master)).sub_(shards.full("sync_launched", a.master))
+            if "sync_launched" in shards.keys():  # replica 0's streamed sync in flight
+                apply_saved_sync(shards.keys(), a.master, params, lambda key: shards.shard(key, layout, a.master),
+                                 lambda key: shards.full(key, a.master))
             syncs.rounds = 0
             if syncs.anchored:
                 syncs.restart(a.master)
@@ -424,13 +437,11 @@ class Desloc(Mode):
             if keep_error:
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
         if "sync_launched" in keys:  # a streamed sync in flight at the save
-            result = "anchor" if "anchor" in keys else "sync_result"
-            if syncs.delay and rank is not None and (result == "anchor") == syncs.anchored:
-                syncs.result.copy_(read(result))
+            if syncs.delay and rank is not None and ("anchor" in keys) == syncs.anchored:
+                syncs.result.copy_(read(saved_sync_result(keys)))
                 syncs.launched.copy_(read("sync_launched"))
                 syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
                 syncs.finish_at = int(meta["sync_finish_at"])
             else:
-                a.master.add_(read(result)).sub_(read("sync_launched"))
-                params.add_(full(result)).sub_(full("sync_launched"))
+                apply_saved_sync(keys, a.master, params, read, full)
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)
