@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 SECTION = "lowcomm"
+#: ``"mode": "auto"``: not a mode but a chooser of one (:mod:`ds_lowcomm.auto`)
+AUTO = "auto"
 COMM_DTYPES = ("auto", "fp32", "bf16")
 PACES = ("fastest", "slowest")
 #: the spellings DeepSpeed accepts for ``data_types.grad_accum_dtype``, by the dtype they name
@@ -100,6 +102,15 @@ def parse_options(cls: type, raw: Any, path: str) -> Any:
 
 
 @dataclass(frozen=True)
+class AutoOptions:
+    """``"lowcomm": {"auto": {...}}``: options of ``"mode": "auto"``."""
+    recheck_every: int = option(200, "optimizer steps between re-checks of the choice with the compute per step "
+                                "measured since (the first micro-batch's includes warm-up); a different "
+                                "verdict is logged, the mode is not switched in flight; 0 = never",
+                                minimum=0)
+
+
+@dataclass(frozen=True)
 class LowCommConfig:
     """The validated ``"lowcomm"`` section; ``mode_options`` is the selected mode's ``Options``."""
 
@@ -127,6 +138,13 @@ class LowCommConfig:
                                  "boundaries: the Trainer, accelerate, TRL); 'slowest': every rank "
                                  "computes every micro-batch", choices=PACES)
     mode_options: Any = None
+    #: every mode's validated sub-object, by name, and the keys its JSON object gave (``"mode":
+    #: "auto"`` builds the chosen mode from them, the user's keys over its own picks)
+    options_by_mode: Any = field(default=None, compare=False, repr=False)
+    given_by_mode: Any = field(default=None, compare=False, repr=False)
+    #: ``"mode": "auto"``: ``check(mode, options, shard_group_size)``, the reason that mode cannot run
+    #: with those settings under this DeepSpeed config (its ``check_config``), or None
+    check_mode: Any = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def from_dict(raw: Any, modes: Mapping[str, Any]) -> "LowCommConfig":
@@ -138,13 +156,14 @@ class LowCommConfig:
         if "mode" not in raw:
             raise LowCommConfigError(f"{SECTION}.mode: missing; set it to one of: {', '.join(modes)}")
         mode = raw["mode"]
-        if mode not in modes:
-            hint = difflib.get_close_matches(str(mode), list(modes), n=1)
+        if mode not in modes and mode != AUTO:
+            hint = difflib.get_close_matches(str(mode), [*modes, AUTO], n=1)
             did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise LowCommConfigError(f"{SECTION}.mode: got {mode!r}{did_you_mean}; "
-                                     f"allowed: {', '.join(modes)}")
-        fields = {f.name: f for f in dataclasses.fields(LowCommConfig) if f.name != "mode_options"}
-        reject_unknown_keys(SECTION, raw, list(fields) + list(modes))
+                                     f"allowed: {', '.join([*modes, AUTO])}")
+        fields = {f.name: f for f in dataclasses.fields(LowCommConfig)
+                  if f.name not in ("mode_options", "options_by_mode", "given_by_mode", "check_mode")}
+        reject_unknown_keys(SECTION, raw, list(fields) + list(modes) + [AUTO])
         hints = typing.get_type_hints(LowCommConfig)
         general = {k: _check_value(f"{SECTION}.{k}", v, hints[k], fields[k].metadata)
                    for k, v in raw.items() if k in fields}
@@ -152,7 +171,9 @@ class LowCommConfig:
         # never reveals a latent typo.
         sub = {name: parse_options(modes[name].Options, raw.get(name), f"{SECTION}.{name}")
                for name in modes}
-        return LowCommConfig(mode_options=sub[mode], **general)
+        sub[AUTO] = parse_options(AutoOptions, raw.get(AUTO), f"{SECTION}.{AUTO}")
+        given = {name: frozenset(raw.get(name) or ()) for name in modes}
+        return LowCommConfig(mode_options=sub[mode], options_by_mode=sub, given_by_mode=given, **general)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,6 +294,17 @@ def parse(ds: Mapping[str, Any], modes: Mapping[str, Any]) -> LowCommConfig:
     registry ``modes`` (handed in, not imported: the modes import this module)."""
     cfg = LowCommConfig.from_dict(ds[SECTION], modes)
     check_deepspeed_config(ds)
+    if cfg.mode == AUTO:  # the chooser checks each candidate with its own settings
+        def check(mode: str, options: Any, shard_group_size: Optional[int]) -> Optional[str]:
+            if cfg.pace == "fastest" and not modes[mode].paces:
+                return "lowcomm.pace is 'fastest'"
+            trial = dataclasses.replace(cfg, mode=mode, mode_options=options, shard_group_size=shard_group_size)
+            try:
+                modes[mode].check_config(ds, trial)
+            except LowCommConfigError as err:
+                return str(err)
+            return None
+        return dataclasses.replace(cfg, check_mode=check)
     if cfg.pace == "fastest" and not modes[cfg.mode].paces:
         raise LowCommConfigError(
             f"{SECTION}.pace: 'fastest' is not available in mode {cfg.mode!r}: its replicas step on their "
@@ -329,13 +361,16 @@ def reference_markdown(modes: Mapping[str, Any]) -> str:
            "(an unknown key gets a \"did you mean\").", "",
            "```json", f'"{SECTION}": {{"mode": "zero1", "comm_dtype": "auto", "zero1": {{"overlap": true}}}}', "```",
            "", f"## `{SECTION}`", "",
-           *head, f"| `mode` | a string | required | {', '.join(f'`{json_value(m)}`' for m in modes)} | "
-           "which algorithm owns data-parallel communication |",
-           *_rows(LowCommConfig, "", skip=("mode", "mode_options"))]
+           *head, f"| `mode` | a string | required | {', '.join(f'`{json_value(m)}`' for m in [*modes, AUTO])} | "
+           "which algorithm owns data-parallel communication (`\"auto\"`: chosen from the measured compute "
+           "and links, see docs/auto.md) |",
+           *_rows(LowCommConfig, "", skip=("mode", "mode_options", "options_by_mode", "given_by_mode",
+                                            "check_mode"))]
     for name, cls in modes.items():
         out += ["", f"## `{SECTION}.{name}` (mode `{name}`)", ""]
         rows = _rows(cls.Options, f"{name}.")
         out += [*head, *rows] if rows else ["No options."]
+    out += ["", f"## `{SECTION}.{AUTO}` (mode `{AUTO}`)", "", *head, *_rows(AutoOptions, f"{AUTO}.")]
     out += ["", "Every mode's sub-object is validated whichever mode is selected, so switching `mode` never "
             "reveals a latent typo.", "",
             "## DeepSpeed keys", "",

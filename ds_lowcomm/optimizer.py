@@ -17,8 +17,10 @@ rate schedulers written against them keep working.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -26,11 +28,12 @@ import torch
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, shard_meta
 from ds_lowcomm.checkpoint.migrate import upgrade_meta
 from ds_lowcomm.comm.collectives import CommStats
-from ds_lowcomm.config import LowCommConfig
+from ds_lowcomm.auto import Choice, Measured, agree, choose, describe, predict_sync_s, ranks_per_node
+from ds_lowcomm.config import AUTO, LowCommConfig
 from ds_lowcomm.memory import release_freed_heap
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
-from ds_lowcomm.modes import MODES
+from ds_lowcomm.modes import MODES, Mode
 from ds_lowcomm.shard.pace import Pacer
 from ds_lowcomm.comm.topology import Topology
 from ds_lowcomm.comm.worker import CommWorker
@@ -80,32 +83,28 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.comm_dtype = comm_dtype
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+        self.modules = tuple(modules)
         self.stats = CommStats()
         self.checkpoint_stats = CommStats()
-        self.topology = Topology.build(config.shard_group_size, config.collective_timeout_s, self.stats)
+        # "mode": "auto" starts on the whole world's layout (zero1's) and chooses at the end of the
+        # first micro-batch (_choose): a smaller shard group then takes a prefix of the same buffers
+        auto = config.mode == AUTO
+        self.topology = Topology.build(None if auto else config.shard_group_size, config.collective_timeout_s,
+                                       self.stats)
         self.checkpoint_comm = self.topology.shard.counted_in(self.checkpoint_stats)
         self.flat = FlatParams(self.param_groups, self.topology.shard.world, self.topology.shard.rank)
         self.param_names = [param_names.get(id(p), [f"param{i}"]) for i, p in enumerate(self.flat.params)]
         self.grads = GradAccumulator(self.flat, grad_accum_dtype)
-        mode_cls = MODES[config.mode]
         # On CPU the per-parameter gradients freed after each backward (fp32 sums of a bf16/fp16
         # model) would stay resident (see release_freed_heap). In-place ones are never freed.
         self._trim_heap = self.flat.device.type == "cpu" and not self.grads.in_place
-        self.worker = (CommWorker(self.stats, self.flat.device) if mode_cls.is_asynchronous(config.mode_options)
-                       else None)
         self.micro_batches = 0
         self.steps = 0
-        # lowcomm.pace: by default the fastest rank sets the pace where the mode's rounds can
-        # carry the paces ("slowest", or a mode that cannot: every micro-batch computed).
-        self.pacer: Optional[Pacer] = None
-        if mode_cls.paces and config.pace != "slowest":
-            self.pacer = Pacer(mode_cls.pace_block(config.mode_options, self.gradient_accumulation_steps),
-                               self.topology.shard.rank, device=self.flat.device,
-                               host_wait_seconds=lambda: self.stats.host_wait_seconds)
         #: ``steps`` when this process started counting bytes (a resume restores ``steps``)
         self.steps_at_start = 0
         #: called after each optimizer step is taken (the engine's hook)
         self.on_step_taken: Optional[Callable[[], None]] = None
+        self.loss_scale_holder = None
         self.loss_scaler = loss_scaler
         #: steps whose update was skipped for a non-finite gradient, and how many in a row
         self.skipped_steps = 0
@@ -114,20 +113,182 @@ class LowCommOptimizer(torch.optim.Optimizer):
         # skipped-step count) and by accelerate (``step_was_skipped``): the latest verdict.
         self._global_grad_norm: Optional[float] = None
         self.overflow = False
-        self.mode = mode_cls(ModeContext(
-            flat=self.flat, grads=self.grads, topology=self.topology, worker=self.worker, stats=self.stats,
-            param_groups=self.param_groups, comm_dtype=comm_dtype, gradient_clipping=self.gradient_clipping,
-            gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
-            _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
-            record_step=self.record_step, modules=tuple(modules), pacer=self.pacer), config.mode_options)
         #: set by LowCommEngine.load_checkpoint while DeepSpeed loads: where the flat state is read
         self.checkpoint_shards = None
+        #: what "mode": "auto" chose (None: a fixed mode, or not chosen yet) and the timings it reads
+        self.choice: Optional[Choice] = None
+        self.measured: Optional[Measured] = None
+        self._first_forward: Optional[float] = None  # host clock as the first micro-batch started
+        self._first_backward: Optional[float] = None
+        self._marks_boundaries: Optional[bool] = None
+        self._recheck_from: Optional[tuple] = None  # (clock, steps, exposed comm seconds)
+        self.mode: Optional[Mode] = None
+        self.worker: Optional[CommWorker] = None
+        # lowcomm.pace: by default the fastest rank sets the pace where the mode's rounds can
+        # carry the paces ("slowest", or a mode that cannot: every micro-batch computed).
+        self.pacer: Optional[Pacer] = None
+        if not auto:
+            self._start_mode()
+
+    def _start_mode(self) -> None:
+        """Build the comm worker, the pacer and the mode of ``self.config`` (a concrete mode) on
+        the topology and buffers already here. No communication."""
+        config = self.config
+        mode_cls = MODES[config.mode]
+        self.worker = (CommWorker(self.stats, self.flat.device) if mode_cls.is_asynchronous(config.mode_options)
+                       else None)
+        if mode_cls.paces and config.pace != "slowest":
+            self.pacer = Pacer(mode_cls.pace_block(config.mode_options, self.gradient_accumulation_steps),
+                               self.topology.shard.rank, device=self.flat.device,
+                               host_wait_seconds=lambda: self.stats.host_wait_seconds)
+        self.mode = mode_cls(ModeContext(
+            flat=self.flat, grads=self.grads, topology=self.topology, worker=self.worker, stats=self.stats,
+            param_groups=self.param_groups, comm_dtype=self.comm_dtype, gradient_clipping=self.gradient_clipping,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
+            _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
+            record_step=self.record_step, modules=self.modules, pacer=self.pacer), config.mode_options)
+        if self._marks_boundaries is not None:  # the loop was bound while "auto" was choosing
+            self.bind_loop(self._marks_boundaries)
+
+    @property
+    def mode_name(self) -> str:
+        """The running mode's name; ``"auto"`` until "mode": "auto" has chosen."""
+        return AUTO if self.mode is None else self.mode.name
+
+    # -- "mode": "auto" ---------------------------------------------------------------------------
+
+    def _clock(self) -> float:
+        """Host seconds, the device's queued work done first (only while "auto" times the first
+        micro-batch: once per run)."""
+        if self.flat.device.type == "cuda":
+            torch.cuda.synchronize(self.flat.device)
+        return time.perf_counter()
+
+    def _choose(self) -> None:
+        """"mode": "auto" at the end of the first micro-batch: time it, probe the links, choose
+        (:func:`ds_lowcomm.auto.choose`), set up the chosen mode's layout and start it; one log
+        line says what and why. Collective (every rank, the same verdict): a few small agreements
+        on the control group and the probe all-reduces (:func:`~ds_lowcomm.auto.predict_sync_s`)."""
+        now = self._clock()
+        if self._first_forward is not None:
+            step_s = (now - self._first_forward) * self.gradient_accumulation_steps
+        else:  # the loop ran its forward pass outside engine.forward: backward ~ 2/3 of a micro-batch
+            step_s = 1.5 * (now - (self._first_backward or now)) * self.gradient_accumulation_steps
+        topo, control = self.topology, self.topology.control.group
+        world, rank = topo.world_size, topo.rank
+        per_rank = agree([step_s if r == rank else 0.0 for r in range(world)], control)
+        local = ranks_per_node(world, control)
+        probe = lambda t: agree([predict_sync_s(t.shard.group, self.flat.layout.numel, self.flat.device)],
+                                control)[0] / world
+        measured = Measured(world, local, per_rank, probe(topo) if world > 1 else 0.0,
+                            shard_group_size=self.config.shard_group_size)
+        node_topology = None
+        if measured.needs_node_probe():
+            node_topology = Topology.build(local, self.config.collective_timeout_s, self.stats, control=topo.control)
+            measured = dataclasses.replace(measured, node_sync_s=probe(node_topology))
+        self.measured = measured
+        choice, config, refused = self._pick(measured)
+        self._start_chosen(choice, config, node_topology)
+        if rank == 0:
+            skipped = f" ({'; '.join(refused)})" if refused else ""
+            logger.warning(f"ds_lowcomm: mode auto chose {describe(choice)}: {choice.reason}{skipped}; set "
+                           f"lowcomm.mode to override")
+
+    def _start_chosen(self, choice: Choice, config: LowCommConfig, node_topology: Optional[Topology] = None) -> None:
+        """Cut the buffers for the chosen layout and start the chosen mode. Collective when the
+        shard group size changes (new process groups; ``node_topology``: one already built)."""
+        topo = self.topology
+        size = topo.world_size if choice.shard_group_size is None else choice.shard_group_size
+        if size != topo.shard_group_size:
+            self.topology = (node_topology if node_topology is not None and node_topology.shard_group_size == size
+                             else Topology.build(size, self.config.collective_timeout_s, self.stats, control=topo.control))
+            self.flat.reshard(self.topology.shard.world, self.topology.shard.rank)
+            self.grads.follow_layout()
+            self.checkpoint_comm = self.topology.shard.counted_in(self.checkpoint_stats)
+        self.choice, self.config = choice, config
+        self._start_mode()
+        self._recheck_from = (time.perf_counter(), self.steps, self.stats.exposed_comm_seconds)
+
+    def adopt(self, saved: dict) -> None:
+        """"mode": "auto" loading a checkpoint before it has chosen: take the mode, picks and
+        layout the checkpoint was written with (what "auto" chose then, or a fixed mode's, with
+        this config's options for it), so that its state carries over; a shard group size that
+        does not divide this world becomes their greatest common divisor. ``saved``: the model
+        file's optimizer metadata. Collective when the layout changes (new process groups)."""
+        world = self.topology.world_size
+        chosen = saved.get("auto")
+        if chosen is not None:
+            choice = Choice(chosen["mode"], chosen["shard_group_size"], dict(chosen["options"]),
+                            "as the checkpoint was written")
+        else:
+            layout = saved["shards"]
+            size = layout["shard_group_size"]
+            choice = Choice(saved["mode"], None if size == layout["world_size"] else size, {},
+                            "the mode the checkpoint was written in")
+        if choice.shard_group_size is not None and world % choice.shard_group_size:
+            choice = dataclasses.replace(choice, shard_group_size=math.gcd(choice.shard_group_size, world))
+        config = self._config_for(choice)
+        error = self.config.check_mode(choice.mode, config.mode_options, choice.shard_group_size or world)
+        if error is not None:
+            raise CheckpointError(f"this checkpoint was written in mode {choice.mode!r}, which \"mode\": \"auto\" "
+                                  f"resumes in, but it cannot run here: {error}")
+        self._start_chosen(choice, config)
+        if self.topology.rank == 0:
+            logger.warning(f"ds_lowcomm: mode auto resumes in {describe(choice)}, {choice.reason} (its state "
+                           f"carries over; auto chooses only at a fresh start)")
+
+    def _pick(self, measured: Measured):
+        """(choice, its concrete config, the candidates refused and why): :func:`choose` over the
+        modes whose ``check_config`` accepts the settings it picks for them."""
+        usable, refused = list(MODES), []
+        while True:
+            choice = choose(measured, usable)
+            config = self._config_for(choice)
+            error = self.config.check_mode(choice.mode, config.mode_options,
+                                           choice.shard_group_size or self.topology.world_size)
+            if error is None or choice.mode == "zero1":
+                return choice, config, refused
+            usable.remove(choice.mode)
+            refused.append(f"{choice.mode} refused: {error}")
+
+    def _config_for(self, choice: Choice) -> LowCommConfig:
+        """The config of the chosen mode: auto's picks under the user's own keys in its sub-object."""
+        mine = self.config.options_by_mode[choice.mode]
+        given = self.config.given_by_mode[choice.mode]
+        options = dataclasses.replace(mine, **{k: v for k, v in choice.options.items() if k not in given})
+        return dataclasses.replace(self.config, mode=choice.mode, mode_options=options,
+                                   shard_group_size=choice.shard_group_size)
+
+    def _recheck(self) -> None:
+        """Every ``auto.recheck_every`` steps after the choice: the table again with the compute
+        per step measured since (wall time less exposed communication, this rank's), the links as
+        probed; a different verdict is logged on rank 0. No communication."""
+        start, steps, exposed = self._recheck_from
+        now = time.perf_counter()
+        taken = self.steps - steps
+        self._recheck_from = (now, self.steps, self.stats.exposed_comm_seconds)
+        if taken <= 0 or self.topology.rank != 0:
+            return
+        compute = max(now - start - (self.stats.exposed_comm_seconds - exposed), 1e-9) / taken
+        base = self.measured
+        scale = compute / base.compute_s  # every rank's first-step time, rescaled to this rank's now
+        measured = dataclasses.replace(base, step_s=[s * scale for s in base.step_s])
+        choice, _, _ = self._pick(measured)
+        if (choice.mode, choice.shard_group_size) != (self.choice.mode, self.choice.shard_group_size):
+            logger.warning(f"ds_lowcomm: mode auto: at step {self.steps} a step computes in {compute:.3g} s, "
+                           f"not the {base.compute_s:.3g} s of the first micro-batch; it would now choose "
+                           f"{describe(choice)} ({choice.reason}). The running {describe(self.choice)} "
+                           f"keeps going (its optimizer state does not carry over); set lowcomm.mode to "
+                           f"{choice.mode!r} for the next start")
 
     # -- training -------------------------------------------------------------------------------
 
     def bind_loop(self, marks_boundaries: bool) -> None:
         """Called by the engine before the first backward pass: whether the loop marks its own
         accumulation boundaries (see :meth:`Mode.bind_loop`). No communication."""
+        if self.mode is None:  # "auto": kept for the mode it chooses
+            self._marks_boundaries = marks_boundaries
+            return
         self.mode.bind_loop(marks_boundaries)
         if self.pacer is not None:
             # By default only where the loop hands every rank the same micro-batches per step it
@@ -137,17 +298,31 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def begin_micro_batch(self) -> bool:
         """Called by the engine as a training forward pass starts: whether it runs with
         gradients (False: forward only, this rank being slower than the fastest; see
-        :mod:`ds_lowcomm.shard.pace`). No communication, no host sync."""
+        :mod:`ds_lowcomm.shard.pace`). No communication, no host sync (but while "mode": "auto"
+        times the first micro-batch)."""
+        if self.mode is None:
+            if self._first_forward is None:
+                self._first_forward = self._clock()
+            return True
         return True if self.pacer is None else self.pacer.begin_micro_batch()
 
     def on_backward_start(self, boundary: bool) -> None:
         """Called by the engine before every backward pass (no communication)."""
+        if self.mode is None:
+            if self._first_backward is None:
+                self._first_backward = time.perf_counter()
+            return
         self.mode.on_backward_start(boundary)
 
     def on_micro_batch_end(self, boundary: bool, computed: bool = True, weight=1.0) -> None:
         """Called by the engine after every micro-batch's backward pass, or in its place for one
         run forward only (``computed`` False); ``weight``: 1, or its label tokens (a 0-d tensor)
-        when the loop normalises the loss by ``num_items_in_batch``. No communication."""
+        when the loop normalises the loss by ``num_items_in_batch``. No communication, except
+        at the end of the first micro-batch under "mode": "auto", which chooses the mode then."""
+        if self.mode is None:
+            self._choose()
+            if self.pacer is not None:
+                self.pacer.begin_micro_batch()  # this micro-batch began before the pacer existed
         if self.pacer is not None:
             self.pacer.end_micro_batch()  # before the mode's switch and its waits
         self.grads.count(computed, weight)
@@ -161,6 +336,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """At an accumulation boundary: the mode's communication and update. ``closure`` unsupported."""
         if closure is not None:
             raise ValueError("LowCommOptimizer.step does not take a closure")
+        if self.mode is None:
+            raise RuntimeError("ds_lowcomm: optimizer.step() before any backward pass; with \"mode\": \"auto\" "
+                               "the mode is chosen during the first one (call engine.backward(loss) first)")
         self.mode.step()
         if self._trim_heap:
             release_freed_heap()
@@ -172,6 +350,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
         makes a loop's step count, DeepSpeed's ``global_steps``, the LR schedule and checkpoint
         tags agree."""
         self.steps += 1
+        auto = (self.config.options_by_mode or {}).get(AUTO)
+        if self.measured is not None and auto.recheck_every and \
+                self.steps - self._recheck_from[1] >= auto.recheck_every:
+            self._recheck()
         if self.on_step_taken is not None:
             self.on_step_taken()
 
@@ -239,11 +421,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Install any update still in flight (call before exporting the final model)."""
-        self.mode.flush()
+        if self.mode is not None:
+            self.mode.flush()
 
     def settle(self) -> None:
         """Every rank at the same step, no round running (collective; see :meth:`Mode.settle`)."""
-        self.mode.settle()
+        if self.mode is not None:
+            self.mode.settle()
 
     def destroy(self) -> None:
         """Stop the comm worker and remove the gradient hooks (``engine.destroy()`` calls it)."""
@@ -252,7 +436,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.grads.remove_hooks()
 
     def master_weights(self) -> torch.Tensor:
-        """Full unpadded fp32 master weights (collective)."""
+        """Full unpadded fp32 master weights (collective; before "auto" has chosen: the parameters)."""
+        if self.mode is None:
+            return self.flat.unpadded(self.flat.buffer).float().clone()
         return self.mode.master_weights()
 
     def comm_stats(self) -> dict:
@@ -268,10 +454,18 @@ class LowCommOptimizer(torch.optim.Optimizer):
                    bytes_sent_per_step=out["bytes_sent"] / steps,
                    bytes_received_per_step=out["bytes_received"] / steps,
                    exposed_comm_s_per_step=out["exposed_comm_seconds"] / steps,
-                   round_s_per_step=out["round_seconds"] / steps, **self.mode.metrics())
+                   round_s_per_step=out["round_seconds"] / steps,
+                   **(self.mode.metrics() if self.mode is not None else {}))
+        if self.choice is not None:
+            out["auto"] = self.choice.as_dict()
         if self.pacer is not None and self.pacer.active:
             out["computed_share_by_rank"] = self.pacer.computed_shares()
         return out
+
+    def _require_mode(self, what: str) -> None:
+        if self.mode is None:
+            raise RuntimeError(f"ds_lowcomm: cannot {what} before the first training micro-batch: \"mode\": "
+                               f"\"auto\" chooses the mode then (train one step first, or set lowcomm.mode)")
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -279,6 +473,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """What this rank writes to its own file: its shards of the flat state (any world size
         reads them back), its mode's per-rank state (same layout only), and its loss scaler and
         skip counts (DES-LOC replicas skip on their own verdicts). No communication."""
+        self._require_mode("save a checkpoint")
         state = self.mode.state()
         return {"shards": state.sharded, "mode": state.rank,
                 "guard": {"loss_scaler": self._loss_scaler_state(), "skipped_steps": self.skipped_steps,
@@ -287,8 +482,11 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The optimizer's metadata (DeepSpeed writes rank 0's into its model file): names,
         shapes, hyperparameters, counters and how the flat state is cut into the rank files.
-        No communication; the state itself is in :meth:`rank_state_dict`."""
-        return {"format": FORMAT, "mode": self.mode.name,
+        No communication; the state itself is in :meth:`rank_state_dict`. ``"auto"``: what
+        "mode": "auto" chose, which a run of "auto" resumes with."""
+        self._require_mode("save a checkpoint")
+        auto = {} if self.choice is None else {"auto": self.choice.as_dict()}
+        return {"format": FORMAT, "mode": self.mode.name, **auto,
                 "param_names": self.param_names,
                 "param_shapes": [list(p.shape) for p in self.flat.params],
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -327,7 +525,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                   "load it with engine.load_checkpoint")
         # (the Checkpointer has checked the model, before DeepSpeed touched anything)
         if not load_optimizer_states:
-            self.mode.restore(None, shards, None)
+            if self.mode is not None:  # else "auto" starts its chosen mode from the loaded weights
+                self.mode.restore(None, shards, None)
             return
         if state_dict["mode"] != self.mode.name:
             raise CheckpointError(f"checkpoint was written in mode {state_dict['mode']!r}, this run "

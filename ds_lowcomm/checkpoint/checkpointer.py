@@ -33,7 +33,7 @@ from ds_lowcomm.checkpoint.files import (MODEL_FILE, CheckpointError, atomic_sav
                                          file_record, fsync_parent_dir, rank_file_name, resolve_tag, safe_load, verify_files,
                                          write_manifest)
 from ds_lowcomm.checkpoint.export import write_recovery_files
-from ds_lowcomm.checkpoint.migrate import check_loadable, reader_for
+from ds_lowcomm.checkpoint.migrate import check_loadable, reader_for, upgrade_meta
 from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model
 
 #: a save of a tag that exists is written beside it under this suffix, then swapped in
@@ -249,24 +249,13 @@ class Checkpointer:
         Background saves of this process are waited for first (one that failed left ``latest``
         on the previous checkpoint, which is what loads)."""
         wait_for_saves()
-        try:
-            tag = resolve_tag(load_dir, tag)
-            if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(os.path.join(load_dir, tag + REPLACED)):
-                logger.warning(f"ds_lowcomm: {tag!r} was being re-saved when the run stopped; loading its "
-                               f"previous content, {tag + REPLACED!r}")
-                tag += REPLACED
-            shards = self._read(os.path.join(load_dir, str(tag)), load_optimizer_states)
-            error = None
-        except CheckpointError as err:
-            error = str(err)
-        # One verdict for every rank (a few bytes): a rank whose files are bad must not leave the
-        # others waiting in DeepSpeed's load.
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if bad:
-            raise CheckpointError(error if error is not None else f"rank {bad[0][0]}: {bad[0][1]}")
+        tag = _agreed(functools.partial(self._find_tag, load_dir, tag))
+        tag_dir = os.path.join(load_dir, tag)
         opt = self.optimizer
+        if opt.mode is None and load_optimizer_states:
+            # "mode": "auto" before it has chosen: it resumes in the checkpoint's mode and layout
+            opt.adopt(upgrade_meta(_agreed(lambda: self._saved_meta(tag_dir))))
+        shards = _agreed(lambda: self._read(tag_dir, load_optimizer_states))
         opt.checkpoint_shards = shards
         try:
             out = deepspeed_load(tag)
@@ -278,19 +267,36 @@ class Checkpointer:
             opt.checkpoint_shards = None
         return out
 
-    def _read(self, tag_dir: str, load_optimizer_states: bool) -> ShardReader:
-        """This rank's checks and safe reads, before DeepSpeed touches anything: returns the
-        reader of the checkpoint's state, the files of this rank's new shard checked against the
-        manifest, and, saved with this layout, this rank's own file checked and read."""
+    @staticmethod
+    def _find_tag(load_dir: str, tag: Optional[str]) -> str:
+        """The tag to load (``latest``'s when None); a tag caught being re-saved loads its previous content."""
+        tag = str(resolve_tag(load_dir, tag))
+        if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(os.path.join(load_dir, tag + REPLACED)):
+            logger.warning(f"ds_lowcomm: {tag!r} was being re-saved when the run stopped; loading its "
+                           f"previous content, {tag + REPLACED!r}")
+            tag += REPLACED
+        return tag
+
+    @staticmethod
+    def _saved_meta(tag_dir: str) -> dict:
+        """The optimizer metadata in the checkpoint's model file, checked against the manifest
+        and read with ``weights_only=True`` (which also vets the file DeepSpeed unpickles)."""
         path = os.path.join(tag_dir, MODEL_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
                                   f"{os.path.basename(tag_dir)!r} in {os.path.dirname(tag_dir)!r}")
-        opt = self.optimizer
         verify_files(tag_dir, [MODEL_FILE])
-        saved = safe_load(path, mmap=True).get("optimizer")  # also vets the file DeepSpeed unpickles
+        saved = safe_load(path, mmap=True).get("optimizer")
         if not isinstance(saved, dict):
             raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
+        return saved
+
+    def _read(self, tag_dir: str, load_optimizer_states: bool) -> ShardReader:
+        """This rank's checks and safe reads, before DeepSpeed touches anything: returns the
+        reader of the checkpoint's state, the files of this rank's new shard checked against the
+        manifest, and, saved with this layout, this rank's own file checked and read."""
+        opt = self.optimizer
+        saved = self._saved_meta(tag_dir)
         check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
         check_loadable(saved, load_optimizer_states)
         shards = reader_for(tag_dir, saved)
@@ -305,3 +311,19 @@ class Checkpointer:
                         f"take the weights only")
             shards.rank_file(self.rank)  # read now, so a bad file is every rank's verdict
         return shards
+
+
+def _agreed(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank with one verdict for all (a few bytes over the world): a
+    :class:`CheckpointError` on any rank is raised on every rank, so a rank whose files are bad
+    never leaves the others waiting in a collective (DeepSpeed's load, a new process group)."""
+    try:
+        out, error = fn(), None
+    except CheckpointError as err:
+        out, error = None, str(err)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise CheckpointError(error if error is not None else f"rank {bad[0][0]}: {bad[0][1]}")
+    return out

@@ -41,8 +41,10 @@ class Topology:
         return self.world_size // self.shard_group_size
 
     @staticmethod
-    def build(shard_group_size: Optional[int], timeout_s: float, stats: CommStats) -> "Topology":
-        """Create the private groups. Collective over the world: every rank must call it."""
+    def build(shard_group_size: Optional[int], timeout_s: float, stats: CommStats,
+              control: Optional[Collectives] = None) -> "Topology":
+        """Create the private groups (``control``: another topology's, kept). Collective over the
+        world: every rank must call it."""
         world, rank = dist.get_world_size(), dist.get_rank()
         g = world if shard_group_size is None else shard_group_size
         if g > world or world % g:
@@ -67,6 +69,7 @@ class Topology:
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     replica = Collectives(pg, stats, timeout_s, "replica")
-        control = Collectives(dist.new_group(list(range(world)), timeout=timeout, backend="gloo"),
-                              stats, timeout_s, "control")
+        if control is None:
+            control = Collectives(dist.new_group(list(range(world)), timeout=timeout, backend="gloo"),
+                                  stats, timeout_s, "control")
         return Topology(world, rank, g, shard, replica, control)

@@ -281,7 +281,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     engine = make_engine(args, model)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     host = host_group()
-    mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else getattr(engine, "name", "deepspeed")
+    mode = engine.optimizer.mode_name if hasattr(engine, "comm_stats") else getattr(engine, "name", "deepspeed")
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * args.block_size
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -397,6 +397,9 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
         "exposed_comm_s_per_step": wait, "params": n_params, "skipped_steps": engine.skipped_steps,
         "micro_batches_per_round": meter.micro_batches_per_round(),
+        # "mode": "auto": what it chose and why
+        **({"auto": engine.optimizer.choice.as_dict()} if getattr(getattr(engine, "optimizer", None), "choice", None)
+           else {}),
         # Loopback counts every rank's traffic once: per rank is the total over the world size.
         "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,
         "peak_rss_mb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, host),

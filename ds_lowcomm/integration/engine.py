@@ -150,7 +150,9 @@ class LowCommEngine(DeepSpeedEngine):
 
     def _drives_steps(self) -> bool:
         opt = getattr(self, "optimizer", None)
-        return isinstance(opt, LowCommOptimizer) and opt.mode.drives_steps
+        # (before "mode": "auto" has chosen, DeepSpeed's count: acco, the one mode that drives
+        # steps, needs an even accumulation count, so the first micro-batch is no boundary for it)
+        return isinstance(opt, LowCommOptimizer) and opt.mode is not None and opt.mode.drives_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """DeepSpeed's boundary, except for modes that complete steps themselves (acco): those
@@ -192,8 +194,8 @@ class LowCommEngine(DeepSpeedEngine):
         ``torch.no_grad`` (``lowcomm.pace``, :mod:`ds_lowcomm.shard.pace`): the loop still gets the
         model's real outputs, and its backward is skipped."""
         opt = getattr(self, "optimizer", None)
-        if not (isinstance(opt, LowCommOptimizer) and opt.pacer is not None and opt.pacer.active
-                and self.module.training and torch.is_grad_enabled()):
+        paced = isinstance(opt, LowCommOptimizer) and (opt.mode is None or opt.pacer is not None and opt.pacer.active)
+        if not (paced and self.module.training and torch.is_grad_enabled()):
             return super().forward(*inputs, **kwargs)
         computed = opt.begin_micro_batch()
         encoder_decoder = bool(getattr(getattr(self.module, "config", None), "is_encoder_decoder", False))

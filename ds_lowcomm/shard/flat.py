@@ -104,6 +104,15 @@ class FlatParams:
                 view.copy_(p.data)
                 p.data = view
 
+    def reshard(self, world: int, rank: int) -> None:
+        """Cut the same buffer into ``world`` shards (a divisor of the current shard count) and
+        take shard ``rank``: the padded size can only shrink, so the buffer becomes a prefix of
+        itself and nothing moves (the parameters stay views of it)."""
+        layout = ShardLayout(self.layout.numel, world, rank, self.layout.group_ranges)
+        if layout.padded > self.buffer.numel():
+            raise ValueError(f"{world} shards need {layout.padded} elements; the buffer has {self.buffer.numel()}")
+        self.layout, self.buffer = layout, self.buffer[: layout.padded]
+
     def view(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """``p``'s slice of any flat tensor with this layout, shaped like ``p``."""
         return flat.narrow(0, self.offsets[id(p)], p.numel()).view_as(p)
@@ -163,6 +172,10 @@ class GradAccumulator:
         self._slices = {id(p): flat.view(self.buffer, p) for p in flat.params}
         self.attach()
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in flat.params]
+
+    def follow_layout(self) -> None:
+        """After :meth:`FlatParams.reshard`: the sums become the same prefix of their buffer."""
+        self.buffer = self.buffer[: self.flat.layout.padded]
 
     def attach(self) -> None:
         """Point each parameter's ``p.grad`` at its slice of the sums (None unless ``in_place``)."""

@@ -1,0 +1,205 @@
+"""``"lowcomm": {"mode": "auto"}``: the mode, and its options, for the compute and links measured.
+
+At the end of the run's first training micro-batch, before any gradient leaves a rank, every rank
+has timed that micro-batch (its forward and backward pass); the ranks then time probe all-reduces
+on the whole world (and, when the world's link is slow and the launcher says how many ranks share
+a node, inside a node), agree on the numbers, and :func:`choose` reads them:
+
+* ``r``: one fp32 gradient all-reduce over the world (what DDP sends per step), predicted from the
+  probes, over the compute of one optimizer step (the micro-batch's time × accumulation steps);
+* ``uneven``: the slowest rank's step over the fastest's.
+
+==============================================  ===========================================
+measured                                        chosen
+==============================================  ===========================================
+``r`` < ``FAST``, even ranks                    ``zero1``
+``r`` < ``SLOW``, uneven ranks or ``r`` ≥ FAST  ``acco`` (else ``zero1`` with ``overlap``)
+``r`` ≥ ``SLOW``, nodes whose inside link is    ``desloc``, ``shard_group_size`` = ranks per
+fast (``r`` inside a node < ``FAST``)           node, Kx the power of two ≥ 6·r in [16, 256]
+``r`` ≥ ``SLOW``, otherwise                     ``demo``, every rank its own replica, the
+                                                slow-link settings (top-256 of 64×64, sign)
+==============================================  ===========================================
+
+(the bench's measurements behind each row: docs/auto.md). A user's own keys in a mode's
+sub-object win over the picks, a ``shard_group_size`` limits the choice to the modes of that layout,
+and a candidate its ``check_config`` refuses (``acco`` with an odd accumulation count) is skipped.
+The verdict is one log line. Every ``recheck_every`` steps the compute per step is measured again
+from the run's own step times (the first micro-batch's includes warm-up), the table read again,
+and a different verdict logged: the optimizer state of one mode does not carry over to another, so
+the mode changes only at a restart with it set.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ds_lowcomm.config import LowCommConfigError
+
+#: ``r`` below which communication is a small share of a step (the fast regime: zero1 is at DDP's pace)
+FAST = 0.25
+#: ``r`` from which the local modes win (the slow regime, a DDP sync = 10 steps of compute: DeMo
+#: and DES-LOC reach DDP's loss in 0.12-0.19x its time; at r = 1, acco in 0.72x)
+SLOW = 3.0
+#: the slowest rank's step over the fastest's from which ranks count as uneven (pace.TRIGGER)
+UNEVEN = 1.5
+#: the largest probe all-reduce: 1 MiB, about 0.35 s at 25 Mbit/s
+PROBE_BYTES = 1 << 20
+
+#: what each choice sets in its mode's sub-object (the user's own keys win)
+DEMO_SLOW_LINK = {"beta": 0.999, "chunk": 64, "topk": 256, "values": "sign", "tiling": "matrix"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What :func:`choose` reads, the same on every rank."""
+    world_size: int
+    #: ranks per node (consecutive ranks), from the launcher; 1 when unknown
+    ranks_per_node: int
+    #: each rank's compute per optimizer step, seconds
+    step_s: Sequence[float]
+    #: one fp32 gradient all-reduce over the world, predicted, seconds
+    world_sync_s: float
+    #: the same inside one node (None: not measured)
+    node_sync_s: Optional[float] = None
+    #: the user's ``shard_group_size`` (None: auto's to choose)
+    shard_group_size: Optional[int] = None
+
+    @property
+    def compute_s(self) -> float:
+        """The median rank's compute per step."""
+        return float(statistics.median(self.step_s))
+
+    @property
+    def ratio(self) -> float:
+        """``r``: a DDP sync over the world in steps of compute."""
+        return self.world_sync_s / max(self.compute_s, 1e-9)
+
+    @property
+    def node_ratio(self) -> Optional[float]:
+        return None if self.node_sync_s is None else self.node_sync_s / max(self.compute_s, 1e-9)
+
+    @property
+    def uneven(self) -> float:
+        """The slowest rank's compute per step over the fastest's."""
+        return max(self.step_s) / max(min(self.step_s), 1e-9)
+
+    def needs_node_probe(self) -> bool:
+        """Whether the choice hangs on the link inside a node (slow world, several nodes)."""
+        return (self.shard_group_size is None and self.ratio >= SLOW
+                and 1 < self.ranks_per_node < self.world_size and self.node_sync_s is None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A mode, its layout (``shard_group_size`` None: the whole world), auto's picks for its
+    sub-object and why, in words."""
+    mode: str
+    shard_group_size: Optional[int]
+    options: Dict[str, object] = field(default_factory=dict)
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "shard_group_size": self.shard_group_size, "options": dict(self.options),
+                "reason": self.reason}
+
+
+def describe(choice: Choice) -> str:
+    """``desloc (shard_group_size 2, param_sync_every 64, ...)``: the choice in one phrase."""
+    settings = ([] if choice.shard_group_size is None else [f"shard_group_size {choice.shard_group_size}"]) + \
+        [f"{k} {v}" for k, v in choice.options.items()]
+    return choice.mode + (f" ({', '.join(settings)})" if settings else "")
+
+
+def desloc_periods(ratio: float) -> Dict[str, int]:
+    """Kx the power of two at or above 6·r, within [16, 256], and the moments at 3·Kx and 6·Kx (the
+    shipped periods): a parameter sync then costs at most about a sixth of its Kx steps' compute,
+    and all three together about a quarter."""
+    kx = 2 ** max(4, min(8, math.ceil(math.log2(max(6 * ratio, 1.0)))))
+    return {"param_sync_every": kx, "momentum_sync_every": 3 * kx, "variance_sync_every": 6 * kx}
+
+
+def choose(m: Measured, usable: Sequence[str]) -> Choice:
+    """The table in this module's docstring. ``usable``: the modes that can run here, in order of
+    preference where a row allows several. Pure: no communication."""
+    r, w = m.ratio, m.world_size
+    numbers = f"a DDP gradient sync over {w} ranks = {r:.2f} steps of compute"
+    if m.uneven >= UNEVEN:
+        numbers += f", slowest rank {m.uneven:.2f}x the fastest"
+    fixed = m.shard_group_size
+    sharded = fixed is None or fixed == w
+    replicas = fixed is None or fixed < w
+    if sharded and (r < SLOW or not replicas or not {"demo", "desloc"} & set(usable)):
+        if r < FAST and m.uneven < UNEVEN:
+            return Choice("zero1", None, {}, f"{numbers}: communication is a small part of a step")
+        if "acco" in usable:
+            why = "uneven ranks keep computing" if m.uneven >= UNEVEN else "its rounds hide behind computation"
+            return Choice("acco", None, {}, f"{numbers}: {why}")
+        return Choice("zero1", None, {"overlap": True}, f"{numbers}: the overlapped ZeRO-1 (acco cannot run here)")
+    node_fast = m.node_ratio is not None and m.node_ratio < FAST
+    size = fixed if fixed is not None else (m.ranks_per_node if node_fast else 1)
+    if size > 1 and "desloc" in usable:
+        inside = f", inside a node {m.node_ratio:.2f}" if m.node_ratio is not None else ""
+        return Choice("desloc", size, desloc_periods(r),
+                      f"{numbers}{inside}: replicas of {size} ranks sync every few dozen steps")
+    if "demo" in usable:
+        replicas = "every rank its own replica" if size == 1 else f"replicas of {size} ranks"
+        return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
+    if "desloc" in usable:
+        return Choice("desloc", size, desloc_periods(r), f"{numbers}: replicas of {size} rank(s) sync every few "
+                      f"dozen steps")
+    raise LowCommConfigError(f"lowcomm.mode: 'auto' found no mode to run with lowcomm.shard_group_size {fixed} "
+                             f"(demo and desloc refused, see above); remove shard_group_size or set lowcomm.mode")
+
+
+def ranks_per_node(world_size: int, control) -> int:
+    """The launcher's ``LOCAL_WORLD_SIZE`` (torchrun, the DeepSpeed launcher) when every rank reads
+    the same divisor of the world, else 1. Collective over ``control`` (a gloo group): 16 bytes."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    both = torch.tensor([local, -local], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=control)
+    agreed = int(both[0]) == -int(both[1])
+    return local if agreed and local >= 1 and world_size % local == 0 else 1
+
+
+def _timed_all_reduce(group, numel: int, device: torch.device, repeats: int = 2) -> float:
+    """The least seconds of ``repeats`` fp32 all-reduces of ``numel`` elements on ``group``."""
+    t = torch.zeros(numel, dtype=torch.float32, device=device)
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def predict_sync_s(group, model_numel: int, device: torch.device) -> float:
+    """One fp32 all-reduce of ``model_numel`` elements on ``group``, predicted from two timed probes:
+    a tiny one (latency; also opens a lazily created communicator) and one of up to
+    ``PROBE_BYTES``, extrapolated linearly in bytes. Collective over ``group``: about
+    2 × 4(W-1)/W × min(4·numel, PROBE_BYTES) bytes sent per rank, a few hundred milliseconds on a
+    slow link; the device is synchronized around each probe (once, before training's first
+    gradient leaves the rank)."""
+    _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
+    small = _timed_all_reduce(group, 16, device)
+    numel = max(16, min(model_numel, PROBE_BYTES // 4))
+    probe = _timed_all_reduce(group, numel, device)
+    return small + max(probe - small, 0.0) * model_numel / numel
+
+
+def agree(values: Sequence[float], control) -> list:
+    """Every rank's ``values`` summed element-wise over ``control`` (a gloo group): each rank puts
+    its own in its slots and zeros elsewhere. 8 bytes per value and rank."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, group=control)
+    return t.tolist()

@@ -1,0 +1,177 @@
+""""mode": "auto": the choice table, the probes on real ranks, and runs that choose, train and
+resume exactly as the chosen mode set by hand does."""
+import math
+
+import pytest
+import torch
+
+import workers
+from dist import run_ranks
+from ds_lowcomm.auto import Measured, choose, desloc_periods
+from ds_lowcomm.config import LowCommConfigError, parse
+from ds_lowcomm.modes import MODES
+
+ALL = list(MODES)
+
+
+def _measured(ratio, world=2, per_node=1, uneven=1.0, node_ratio=None, shard_group_size=None):
+    compute = 0.2
+    return Measured(world, per_node, [compute] + [compute * uneven] * (world - 1), ratio * compute,
+                    None if node_ratio is None else node_ratio * compute, shard_group_size)
+
+
+# (measured, usable modes, mode, shard_group_size, picks): the table of ds_lowcomm/auto.py,
+# written out from its docstring's rows
+TABLE = [
+    (_measured(0.05), ALL, "zero1", None, {}),
+    (_measured(0.05, uneven=2.0), ALL, "acco", None, {}),
+    (_measured(1.0), ALL, "acco", None, {}),
+    (_measured(1.0), ["zero1", "demo", "desloc"], "zero1", None, {"overlap": True}),
+    # slow, one node: every rank its own replica, DeMo at the slow-link settings
+    (_measured(10.0), ALL, "demo", 1, {"beta": 0.999, "chunk": 64, "topk": 256, "values": "sign",
+                                       "tiling": "matrix"}),
+    # slow between nodes of 2 whose own link is fast: DES-LOC, replicas of a node, Kx >= 6r
+    (_measured(10.0, world=4, per_node=2, node_ratio=0.1), ALL, "desloc", 2,
+     {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}),
+    # ... and whose own link is slow too: every rank its own replica
+    (_measured(10.0, world=4, per_node=2, node_ratio=5.0), ALL, "demo", 1, None),
+    (_measured(10.0), ["zero1", "acco", "desloc"], "desloc", 1, None),
+    (_measured(10.0), ["zero1", "acco"], "acco", None, {}),
+    # the user's shard_group_size decides the layout
+    (_measured(0.05, shard_group_size=1), ALL, "demo", 1, None),
+    (_measured(10.0, shard_group_size=2), ALL, "acco", None, {}),
+    (_measured(10.0, world=4, shard_group_size=2), ALL, "desloc", 2, None),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("i", range(len(TABLE)))
+def test_the_choice_table(i):
+    measured, usable, mode, size, picks = TABLE[i]
+    choice = choose(measured, usable)
+    assert (choice.mode, choice.shard_group_size) == (mode, size), choice
+    if picks is not None:
+        assert choice.options == picks
+    assert f"{measured.ratio:.2f} steps of compute" in choice.reason
+
+
+@pytest.mark.unit
+def test_desloc_periods_and_no_mode_left():
+    assert [desloc_periods(r)["param_sync_every"] for r in (0.1, 3, 5.4, 10, 20, 100)] == [16, 32, 64, 64, 128, 256]
+    assert desloc_periods(10) == {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}
+    with pytest.raises(LowCommConfigError, match="found no mode"):
+        choose(_measured(10.0, world=4, shard_group_size=2), ["zero1", "acco"])
+
+
+@pytest.mark.unit
+def test_auto_config():
+    cfg = parse(workers.config("auto", auto={"recheck_every": 50}, desloc={"param_sync_every": 8}), MODES)
+    assert cfg.mode == "auto" and cfg.mode_options.recheck_every == 50
+    assert cfg.given_by_mode["desloc"] == {"param_sync_every"}
+    # a candidate's own check runs with the settings auto would give it
+    odd = workers.config("auto")
+    odd["gradient_accumulation_steps"] = 3
+    check = parse(odd, MODES).check_mode
+    assert "gradient_accumulation_steps" in check("acco", MODES["acco"].Options(), None)
+    assert check("zero1", MODES["zero1"].Options(), None) is None
+    assert "pace" in parse(workers.config("auto", pace="fastest"), MODES).check_mode("demo", MODES["demo"].Options(), 1)
+    for bad, words in (({"mode": "atuo"}, "did you mean 'auto'"), ({"mode": "auto", "auto": {"every": 3}},
+                                                                     "lowcomm.auto.every: unknown key"),
+                       ({"mode": "auto", "auto": {"recheck_every": -1}}, "lowcomm.auto.recheck_every")):
+        cfg = workers.config(None)
+        cfg["lowcomm"] = bad
+        with pytest.raises(LowCommConfigError, match=words):
+            parse(cfg, MODES)
+
+
+def _probe(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    from ds_lowcomm.auto import predict_sync_s, ranks_per_node
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(list(range(world)))
+    seconds = predict_sync_s(group, 1 << 22, torch.device("cpu"))
+    agreed = ranks_per_node(world, group)
+    os.environ["LOCAL_WORLD_SIZE"] = str(1 + rank)  # the launcher's word disagrees between ranks
+    return seconds, agreed, ranks_per_node(world, group)
+
+
+@pytest.mark.ranks
+def test_probes_on_real_ranks():
+    for seconds, agreed, disagreed in run_ranks(_probe, 2):
+        assert 0 < seconds < 30
+        assert agreed == 2 and disagreed == 1
+
+
+def _auto_vs_fixed(rank, world, lowcomm, steps):
+    """An "auto" run and, on the same data, the mode it chose set by hand."""
+    auto = workers.build_engine(workers.config("auto", **lowcomm))
+    l_auto = workers.train(auto, steps, rank=rank)
+    chosen = auto.comm_stats()["auto"]
+    mode = chosen["mode"]
+    fixed_lowcomm = {mode: {**chosen["options"], **lowcomm.get(mode, {})}}
+    if chosen["shard_group_size"] is not None:
+        fixed_lowcomm["shard_group_size"] = chosen["shard_group_size"]
+    fixed = workers.build_engine(workers.config(chosen["mode"], **fixed_lowcomm))
+    l_fixed = workers.train(fixed, steps, rank=rank)
+    return dict(chosen=chosen, losses=(l_auto, l_fixed), digests=[workers.params_digest(e) for e in (auto, fixed)],
+                masters=[e.optimizer.master_weights() for e in (auto, fixed)],
+                bytes=[e.comm_stats()["bytes_sent_per_step"] for e in (auto, fixed)])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("lowcomm", [
+    # (acco's own timing-driven options off, so that the run is reproducible if it is chosen)
+    {"acco": {"accumulate_while_waiting": False, "balance": False}},
+    {"shard_group_size": 1}], ids=["free", "replicas"])
+def test_auto_trains_as_the_mode_it_chose(lowcomm):
+    """The first micro-batch's gradient, computed before the choice on the whole world's layout,
+    carries into the chosen one: the run equals the chosen mode's set by hand, bit for bit."""
+    results = run_ranks(_auto_vs_fixed, 2, lowcomm, 4)
+    for r in results:
+        l_auto, l_fixed = r["losses"]
+        assert l_auto == l_fixed
+        assert r["digests"][0] == r["digests"][1]
+        assert torch.equal(r["masters"][0], r["masters"][1])
+        assert r["bytes"][0] == r["bytes"][1] > 0  # the probes are not training's bytes
+    assert results[0]["chosen"] == results[1]["chosen"]  # one verdict
+    if "shard_group_size" in lowcomm:  # a shard group of 1 rules out the sharded modes; r is small here: DeMo's row
+        assert results[0]["chosen"]["mode"] == "demo" and results[0]["chosen"]["shard_group_size"] == 1
+    else:
+        assert results[0]["chosen"]["mode"] in ("zero1", "acco")  # loopback: fast (acco if uneven)
+
+
+def _resume(rank, world, save_dir, first_mode):
+    cfg_auto = workers.config("auto", shard_group_size=1) if first_mode == "auto" else workers.config("auto")
+    straight = workers.build_engine(cfg_auto if first_mode == "auto" else workers.config(first_mode))
+    l_straight = workers.train(straight, 6, rank=rank)
+    first = workers.build_engine(cfg_auto if first_mode == "auto" else workers.config(first_mode))
+    l_resumed = workers.train(first, 3, rank=rank)
+    first.save_checkpoint(save_dir)
+    second = workers.build_engine(cfg_auto, seed=123)
+    second.load_checkpoint(save_dir)
+    l_resumed += workers.train(second, 3, start=3, rank=rank)
+    return dict(losses=(l_straight, l_resumed), digests=[workers.params_digest(e) for e in (straight, second)],
+                modes=[e.optimizer.mode_name for e in (straight, second)],
+                chosen=second.comm_stats().get("auto"))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("first_mode", ["auto", "zero1"])
+def test_auto_resumes_in_the_checkpoints_mode(tmp_path, first_mode):
+    """A restart of "auto" takes the mode, picks and layout its checkpoint was written with (an
+    "auto" run's choice, or a fixed mode's), and continues exactly as the run that never stopped."""
+    for r in run_ranks(_resume, 2, str(tmp_path), first_mode):
+        l_straight, l_resumed = r["losses"]
+        assert l_resumed == l_straight
+        assert r["digests"][0] == r["digests"][1]
+        expected = "demo" if first_mode == "auto" else "zero1"
+        assert r["modes"] == [expected, expected]
+        assert r["chosen"]["mode"] == expected
+        if first_mode == "auto":
+            assert r["chosen"]["options"]["topk"] == 256 and r["chosen"]["shard_group_size"] == 1
+        else:
+            assert r["chosen"]["shard_group_size"] is None and math.isfinite(l_resumed[-1])
