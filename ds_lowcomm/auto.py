@@ -20,6 +20,9 @@ fast (``r`` inside a node < ``FAST``)           node, Kx the power of two ≥ 6�
                                                 slow-link settings (top-256 of 64×64, sign)
 ==============================================  ===========================================
 
+A replica layout whose optimizer state would not fit in the device memory free after the first
+micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row.
+
 (the bench's measurements behind each row: docs/auto.md). A user's own keys in a mode's
 sub-object win over the picks, a ``shard_group_size`` limits the choice to the modes of that layout,
 and a candidate its ``check_config`` refuses (``acco`` with an odd accumulation count) is skipped.
@@ -52,6 +55,12 @@ UNEVEN = 1.5
 #: the largest probe all-reduce: 1 MiB, about 0.35 s at 25 Mbit/s
 PROBE_BYTES = 1 << 20
 
+#: bytes per parameter of a replica's optimizer state, before sharding: the fp32 master and
+#: DeMo's momentum and transmitted part, or DES-LOC's two moments and a sync's copy of the master
+STATE_BYTES = {"demo": 12, "desloc": 16}
+#: the share of the free device memory a replica layout's state may take
+MEMORY_SHARE = 0.8
+
 #: what each choice sets in its mode's sub-object (the user's own keys win)
 DEMO_SLOW_LINK = {"beta": 0.999, "chunk": 64, "topk": 256, "values": "sign", "tiling": "matrix"}
 
@@ -70,6 +79,16 @@ class Measured:
     node_sync_s: Optional[float] = None
     #: the user's ``shard_group_size`` (None: auto's to choose)
     shard_group_size: Optional[int] = None
+    #: trainable parameters, and the device memory free after the first micro-batch (None: not
+    #: checked, as on CPU, where the host's memory is not the limit this guards)
+    numel: int = 0
+    free_bytes: Optional[float] = None
+
+    def fits(self, mode: str, shard_group_size: int) -> bool:
+        """Whether a replica's optimizer state, sharded over ``shard_group_size`` ranks, takes
+        at most ``MEMORY_SHARE`` of the free memory."""
+        need = self.numel * STATE_BYTES[mode] / shard_group_size
+        return self.free_bytes is None or need <= MEMORY_SHARE * self.free_bytes
 
     @property
     def compute_s(self) -> float:
@@ -126,36 +145,47 @@ def desloc_periods(ratio: float) -> Dict[str, int]:
 
 
 def choose(m: Measured, usable: Sequence[str]) -> Choice:
-    """The table in this module's docstring. ``usable``: the modes that can run here, in order of
-    preference where a row allows several. Pure: no communication."""
-    r, w = m.ratio, m.world_size
+    """The table in this module's docstring. ``usable``: the modes that can run here. Pure: no
+    communication."""
+    r, w, per_node = m.ratio, m.world_size, m.ranks_per_node
     numbers = f"a DDP gradient sync over {w} ranks = {r:.2f} steps of compute"
     if m.uneven >= UNEVEN:
         numbers += f", slowest rank {m.uneven:.2f}x the fastest"
     fixed = m.shard_group_size
     sharded = fixed is None or fixed == w
-    replicas = fixed is None or fixed < w
-    if sharded and (r < SLOW or not replicas or not {"demo", "desloc"} & set(usable)):
-        if r < FAST and m.uneven < UNEVEN:
-            return Choice("zero1", None, {}, f"{numbers}: communication is a small part of a step")
-        if "acco" in usable:
-            why = "uneven ranks keep computing" if m.uneven >= UNEVEN else "its rounds hide behind computation"
-            return Choice("acco", None, {}, f"{numbers}: {why}")
-        return Choice("zero1", None, {"overlap": True}, f"{numbers}: the overlapped ZeRO-1 (acco cannot run here)")
-    node_fast = m.node_ratio is not None and m.node_ratio < FAST
-    size = fixed if fixed is not None else (m.ranks_per_node if node_fast else 1)
-    if size > 1 and "desloc" in usable:
-        inside = f", inside a node {m.node_ratio:.2f}" if m.node_ratio is not None else ""
-        return Choice("desloc", size, desloc_periods(r),
-                      f"{numbers}{inside}: replicas of {size} ranks sync every few dozen steps")
-    if "demo" in usable:
-        replicas = "every rank its own replica" if size == 1 else f"replicas of {size} ranks"
-        return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
-    if "desloc" in usable:
-        return Choice("desloc", size, desloc_periods(r), f"{numbers}: replicas of {size} rank(s) sync every few "
-                      f"dozen steps")
-    raise LowCommConfigError(f"lowcomm.mode: 'auto' found no mode to run with lowcomm.shard_group_size {fixed} "
-                             f"(demo and desloc refused, see above); remove shard_group_size or set lowcomm.mode")
+    too_big = []
+    if (fixed is None or fixed < w) and (r >= SLOW or not sharded):
+        node_fast = m.node_ratio is not None and m.node_ratio < FAST
+        if node_fast:
+            numbers += f", inside a node {m.node_ratio:.2f}"
+        nodes = 1 < per_node < w
+        if fixed is not None:
+            layouts = [("desloc", fixed), ("demo", fixed)] if fixed > 1 else [("demo", 1), ("desloc", 1)]
+        else:  # a node's fast link shards the state; else every rank its own replica; a node if that does not fit
+            layouts = ([("desloc", per_node)] if nodes and node_fast else []) + [("demo", 1), ("desloc", 1)] + \
+                ([("desloc", per_node)] if nodes and not node_fast else [])
+        for mode, size in layouts:
+            if mode not in usable:
+                continue
+            if not m.fits(mode, size):
+                too_big.append(f"{mode} with replicas of {size} rank(s) would not fit in memory")
+                continue
+            replicas = "every rank its own replica" if size == 1 else f"replicas of {size} ranks"
+            numbers += "".join(f"; {why}" for why in too_big)
+            if mode == "demo":
+                return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
+            return Choice("desloc", size, desloc_periods(r), f"{numbers}: {replicas} sync every few dozen steps")
+        if not sharded:
+            raise LowCommConfigError(
+                f"lowcomm.mode: 'auto' found no mode to run with lowcomm.shard_group_size {fixed} "
+                f"({'; '.join(too_big) or 'demo and desloc refused'}); remove shard_group_size or set lowcomm.mode")
+    numbers += "".join(f"; {why}" for why in too_big)
+    if r < FAST and m.uneven < UNEVEN:
+        return Choice("zero1", None, {}, f"{numbers}: communication is a small part of a step")
+    if "acco" in usable:
+        why = "uneven ranks keep computing" if m.uneven >= UNEVEN else "its rounds hide behind computation"
+        return Choice("acco", None, {}, f"{numbers}: {why}")
+    return Choice("zero1", None, {"overlap": True}, f"{numbers}: the overlapped ZeRO-1 (acco cannot run here)")
 
 
 def ranks_per_node(world_size: int, control) -> int:
@@ -197,9 +227,9 @@ def predict_sync_s(group, model_numel: int, device: torch.device) -> float:
     return small + max(probe - small, 0.0) * model_numel / numel
 
 
-def agree(values: Sequence[float], control) -> list:
-    """Every rank's ``values`` summed element-wise over ``control`` (a gloo group): each rank puts
-    its own in its slots and zeros elsewhere. 8 bytes per value and rank."""
+def agree(values: Sequence[float], control, op=dist.ReduceOp.SUM) -> list:
+    """``values`` reduced element-wise over ``control`` (a gloo group) by ``op``: with SUM each rank
+    puts its own in its slots and zeros elsewhere (MIN: infinity elsewhere). 8 bytes per value."""
     t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t, group=control)
+    dist.all_reduce(t, op=op, group=control)
     return t.tolist()

@@ -24,12 +24,13 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, shard_meta
 from ds_lowcomm.checkpoint.migrate import upgrade_meta
 from ds_lowcomm.comm.collectives import CommStats
 from ds_lowcomm.auto import Choice, Measured, agree, choose, describe, predict_sync_s, ranks_per_node
-from ds_lowcomm.config import AUTO, LowCommConfig
+from ds_lowcomm.config import AUTO, LowCommConfig, LowCommConfigError
 from ds_lowcomm.memory import release_freed_heap
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
@@ -104,7 +105,6 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.steps_at_start = 0
         #: called after each optimizer step is taken (the engine's hook)
         self.on_step_taken: Optional[Callable[[], None]] = None
-        self.loss_scale_holder = None
         self.loss_scaler = loss_scaler
         #: steps whose update was skipped for a non-finite gradient, and how many in a row
         self.skipped_steps = 0
@@ -178,10 +178,20 @@ class LowCommOptimizer(torch.optim.Optimizer):
         world, rank = topo.world_size, topo.rank
         per_rank = agree([step_s if r == rank else 0.0 for r in range(world)], control)
         local = ranks_per_node(world, control)
-        probe = lambda t: agree([predict_sync_s(t.shard.group, self.flat.layout.numel, self.flat.device)],
-                                control)[0] / world
+
+        def probe(topology: Topology) -> float:  # the mean over the ranks of their predictions
+            mine = predict_sync_s(topology.shard.group, self.flat.layout.numel, self.flat.device)
+            return agree([mine], control)[0] / world
+
+        free = None
+        if self.flat.device.type == "cuda":  # the least free on any rank
+            # free on the device plus what torch's caching allocator holds unused
+            mine = torch.cuda.mem_get_info(self.flat.device)[0] + torch.cuda.memory_reserved(self.flat.device) \
+                - torch.cuda.memory_allocated(self.flat.device)
+            free = min(agree([mine if r == rank else math.inf for r in range(world)], control, op=dist.ReduceOp.MIN))
         measured = Measured(world, local, per_rank, probe(topo) if world > 1 else 0.0,
-                            shard_group_size=self.config.shard_group_size)
+                            shard_group_size=self.config.shard_group_size, numel=self.flat.layout.numel,
+                            free_bytes=free)
         node_topology = None
         if measured.needs_node_probe():
             node_topology = Topology.build(local, self.config.collective_timeout_s, self.stats, control=topo.control)
@@ -202,9 +212,12 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if size != topo.shard_group_size:
             self.topology = (node_topology if node_topology is not None and node_topology.shard_group_size == size
                              else Topology.build(size, self.config.collective_timeout_s, self.stats, control=topo.control))
+            topo.close()
             self.flat.reshard(self.topology.shard.world, self.topology.shard.rank)
             self.grads.follow_layout()
             self.checkpoint_comm = self.topology.shard.counted_in(self.checkpoint_stats)
+        if node_topology is not None and node_topology is not self.topology:
+            node_topology.close()
         self.choice, self.config = choice, config
         self._start_mode()
         self._recheck_from = (time.perf_counter(), self.steps, self.stats.exposed_comm_seconds)
@@ -220,11 +233,17 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if chosen is not None:
             choice = Choice(chosen["mode"], chosen["shard_group_size"], dict(chosen["options"]),
                             "as the checkpoint was written")
-        else:
+        elif saved["mode"] in ("zero1", "acco"):  # sharded over the whole world
+            choice = Choice(saved["mode"], None, {}, "the mode the checkpoint was written in")
+        elif "shards" in saved:
             layout = saved["shards"]
             size = layout["shard_group_size"]
             choice = Choice(saved["mode"], None if size == layout["world_size"] else size, {},
                             "the mode the checkpoint was written in")
+        else:
+            raise CheckpointError(f"this {saved['mode']} checkpoint was written by an earlier version, which did not "
+                                  f"record its layout; set lowcomm.mode to {saved['mode']!r} and "
+                                  f"lowcomm.shard_group_size to the one it was written with to resume it")
         if choice.shard_group_size is not None and world % choice.shard_group_size:
             choice = dataclasses.replace(choice, shard_group_size=math.gcd(choice.shard_group_size, world))
         config = self._config_for(choice)
@@ -244,8 +263,15 @@ class LowCommOptimizer(torch.optim.Optimizer):
         while True:
             choice = choose(measured, usable)
             config = self._config_for(choice)
+            # what runs: auto's picks as the user's own keys left them
+            choice = dataclasses.replace(choice, options={k: getattr(config.mode_options, k) for k in choice.options})
             error = self.config.check_mode(choice.mode, config.mode_options,
                                            choice.shard_group_size or self.topology.world_size)
+            if error is None and self._marks_boundaries is not None:
+                try:
+                    MODES[choice.mode].check_loop(config.mode_options, self._marks_boundaries)
+                except LowCommConfigError as err:
+                    error = str(err)
             if error is None or choice.mode == "zero1":
                 return choice, config, refused
             usable.remove(choice.mode)
@@ -273,7 +299,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
         base = self.measured
         scale = compute / base.compute_s  # every rank's first-step time, rescaled to this rank's now
         measured = dataclasses.replace(base, step_s=[s * scale for s in base.step_s])
-        choice, _, _ = self._pick(measured)
+        try:
+            choice, _, _ = self._pick(measured)
+        except LowCommConfigError as err:  # only rank 0 re-checks: it must not stop the run alone
+            logger.warning(f"ds_lowcomm: mode auto: the re-check at step {self.steps} found no mode ({err}); "
+                           f"re-checks are off for the rest of the run")
+            self.measured = None
+            return
         if (choice.mode, choice.shard_group_size) != (self.choice.mode, self.choice.shard_group_size):
             logger.warning(f"ds_lowcomm: mode auto: at step {self.steps} a step computes in {compute:.3g} s, "
                            f"not the {base.compute_s:.3g} s of the first micro-batch; it would now choose "
@@ -321,8 +353,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
         at the end of the first micro-batch under "mode": "auto", which chooses the mode then."""
         if self.mode is None:
             self._choose()
+            if self.mode.drives_steps and not self._marks_boundaries:
+                boundary = False  # the engine's rule for such a mode: only a loop's own mark counts
+            # this micro-batch began before the mode and its pacer existed (zero1 overlap arms its
+            # buckets here: with none launched during the backward, finishing launches them all)
+            self.mode.on_backward_start(boundary)
             if self.pacer is not None:
-                self.pacer.begin_micro_batch()  # this micro-batch began before the pacer existed
+                self.pacer.begin_micro_batch()
         if self.pacer is not None:
             self.pacer.end_micro_batch()  # before the mode's switch and its waits
         self.grads.count(computed, weight)
@@ -462,7 +499,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
             out["computed_share_by_rank"] = self.pacer.computed_shares()
         return out
 
-    def _require_mode(self, what: str) -> None:
+    def require_mode(self, what: str) -> None:
+        """Raise (before anything is written) when "mode": "auto" has not chosen yet."""
         if self.mode is None:
             raise RuntimeError(f"ds_lowcomm: cannot {what} before the first training micro-batch: \"mode\": "
                                f"\"auto\" chooses the mode then (train one step first, or set lowcomm.mode)")
@@ -473,7 +511,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """What this rank writes to its own file: its shards of the flat state (any world size
         reads them back), its mode's per-rank state (same layout only), and its loss scaler and
         skip counts (DES-LOC replicas skip on their own verdicts). No communication."""
-        self._require_mode("save a checkpoint")
+        self.require_mode("save a checkpoint")
         state = self.mode.state()
         return {"shards": state.sharded, "mode": state.rank,
                 "guard": {"loss_scaler": self._loss_scaler_state(), "skipped_steps": self.skipped_steps,
@@ -484,7 +522,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         shapes, hyperparameters, counters and how the flat state is cut into the rank files.
         No communication; the state itself is in :meth:`rank_state_dict`. ``"auto"``: what
         "mode": "auto" chose, which a run of "auto" resumes with."""
-        self._require_mode("save a checkpoint")
+        self.require_mode("save a checkpoint")
         auto = {} if self.choice is None else {"auto": self.choice.as_dict()}
         return {"format": FORMAT, "mode": self.mode.name, **auto,
                 "param_names": self.param_names,

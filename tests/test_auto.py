@@ -14,10 +14,11 @@ from ds_lowcomm.modes import MODES
 ALL = list(MODES)
 
 
-def _measured(ratio, world=2, per_node=1, uneven=1.0, node_ratio=None, shard_group_size=None):
+def _measured(ratio, world=2, per_node=1, uneven=1.0, node_ratio=None, shard_group_size=None, free_gb=None):
     compute = 0.2
     return Measured(world, per_node, [compute] + [compute * uneven] * (world - 1), ratio * compute,
-                    None if node_ratio is None else node_ratio * compute, shard_group_size)
+                    None if node_ratio is None else node_ratio * compute, shard_group_size,
+                    numel=7 * 10 ** 9, free_bytes=None if free_gb is None else free_gb * 1e9)
 
 
 # (measured, usable modes, mode, shard_group_size, picks): the table of ds_lowcomm/auto.py,
@@ -41,6 +42,11 @@ TABLE = [
     (_measured(0.05, shard_group_size=1), ALL, "demo", 1, None),
     (_measured(10.0, shard_group_size=2), ALL, "acco", None, {}),
     (_measured(10.0, world=4, shard_group_size=2), ALL, "desloc", 2, None),
+    # 7B parameters, 60 GB free per GPU: a whole replica's state (84-112 GB) does not fit on one,
+    # a node of 8's share does (14 GB); with nothing that fits, the sharded row
+    (_measured(10.0, world=16, per_node=8, free_gb=60), ALL, "desloc", 8, None),
+    (_measured(10.0, world=16, per_node=1, free_gb=60), ALL, "acco", None, {}),
+    (_measured(10.0, world=16, per_node=8, free_gb=200), ALL, "demo", 1, None),
 ]
 
 
@@ -53,6 +59,8 @@ def test_the_choice_table(i):
     if picks is not None:
         assert choice.options == picks
     assert f"{measured.ratio:.2f} steps of compute" in choice.reason
+    if measured.free_bytes is not None and (mode, size) != ("demo", 1):
+        assert "would not fit in memory" in choice.reason
 
 
 @pytest.mark.unit
@@ -106,42 +114,103 @@ def test_probes_on_real_ranks():
         assert agreed == 2 and disagreed == 1
 
 
-def _auto_vs_fixed(rank, world, lowcomm, steps):
+ACCO_FIXED = {"accumulate_while_waiting": False, "balance": False}  # acco's timing-driven options off
+
+# name: (ranks, accumulation steps, "lowcomm" keys, the link the probes report, what must be chosen)
+# "moderate": r between FAST and SLOW; "slow": r >= SLOW; "nodes": slow between nodes of 2 ranks,
+# fast inside one; None: this machine's own probes (loopback), whatever they choose
+AUTO_CASES = {
+    "probed": (2, 2, {"acco": ACCO_FIXED}, None, None),
+    "acco": (2, 2, {"acco": ACCO_FIXED, "auto": {"recheck_every": 1}}, "moderate", ("acco", None)),
+    # an odd accumulation count rules acco out; the first micro-batch is a step's boundary
+    "zero1-overlap": (2, 1, {}, "moderate", ("zero1", None)),
+    "demo": (2, 2, {}, "slow", ("demo", 1)),
+    "desloc-nodes": (4, 2, {}, "nodes", ("desloc", 2)),
+}
+
+
+def _link(kind):
+    """Make the probes report ``kind`` (the timings only; the training is real)."""
+    import os
+
+    import torch.distributed as dist
+
+    import ds_lowcomm.auto as auto
+    import ds_lowcomm.optimizer as optimizer
+
+    if kind == "moderate":
+        auto.SLOW = math.inf
+    if kind == "nodes":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    if kind is not None:
+        optimizer.predict_sync_s = lambda group, numel, device: (
+            1e-9 if kind == "nodes" and dist.get_world_size(group) == 2 else 1e3)
+
+
+def _auto_vs_fixed(rank, world, case, steps):
     """An "auto" run and, on the same data, the mode it chose set by hand."""
-    auto = workers.build_engine(workers.config("auto", **lowcomm))
-    l_auto = workers.train(auto, steps, rank=rank)
-    chosen = auto.comm_stats()["auto"]
+    import logging
+
+    import ds_lowcomm.auto as auto
+
+    _, gas, lowcomm, link, _ = AUTO_CASES[case]
+    _link(link)
+    cfg = workers.config("auto", **lowcomm)
+    cfg["gradient_accumulation_steps"] = gas
+    engine = workers.build_engine(cfg)
+    l_auto = workers.train(engine, steps, rank=rank)
+    chosen = engine.comm_stats()["auto"]
     mode = chosen["mode"]
     fixed_lowcomm = {mode: {**chosen["options"], **lowcomm.get(mode, {})}}
     if chosen["shard_group_size"] is not None:
         fixed_lowcomm["shard_group_size"] = chosen["shard_group_size"]
-    fixed = workers.build_engine(workers.config(chosen["mode"], **fixed_lowcomm))
+    cfg = workers.config(mode, **fixed_lowcomm)
+    cfg["gradient_accumulation_steps"] = gas
+    fixed = workers.build_engine(cfg)
     l_fixed = workers.train(fixed, steps, rank=rank)
-    return dict(chosen=chosen, losses=(l_auto, l_fixed), digests=[workers.params_digest(e) for e in (auto, fixed)],
-                masters=[e.optimizer.master_weights() for e in (auto, fixed)],
-                bytes=[e.comm_stats()["bytes_sent_per_step"] for e in (auto, fixed)])
+    for e in (engine, fixed):
+        e.optimizer.flush()  # zero1 overlap gathers the last step's parameters during the next forward
+    out = dict(chosen=chosen, losses=(l_auto, l_fixed), digests=[workers.params_digest(e) for e in (engine, fixed)],
+               masters=[e.optimizer.master_weights() for e in (engine, fixed)],
+               bytes=[e.comm_stats()["bytes_sent_per_step"] for e in (engine, fixed)], logged=[])
+    if lowcomm.get("auto", {}).get("recheck_every"):
+        # the link's ratio is now past SLOW: the next re-check logs another verdict, and switches nothing
+        handler = logging.Handler()
+        handler.emit = lambda record: out["logged"].append(record.getMessage())
+        logging.getLogger("ds_lowcomm").addHandler(handler)
+        auto.SLOW = 0.0
+        workers.train(engine, 1, start=steps, rank=rank)
+        out["mode_after"] = engine.optimizer.mode_name
+    return out
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("lowcomm", [
-    # (acco's own timing-driven options off, so that the run is reproducible if it is chosen)
-    {"acco": {"accumulate_while_waiting": False, "balance": False}},
-    {"shard_group_size": 1}], ids=["free", "replicas"])
-def test_auto_trains_as_the_mode_it_chose(lowcomm):
-    """The first micro-batch's gradient, computed before the choice on the whole world's layout,
-    carries into the chosen one: the run equals the chosen mode's set by hand, bit for bit."""
-    results = run_ranks(_auto_vs_fixed, 2, lowcomm, 4)
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_auto_trains_as_the_mode_it_chose(case):
+    """Every row of the table, end to end: the first micro-batch's gradient, computed before the
+    choice on the whole world's layout, carries into the chosen one, and the run equals the chosen
+    mode set by hand, bit for bit."""
+    world, _, _, _, expected = AUTO_CASES[case]
+    results = run_ranks(_auto_vs_fixed, world, case, 3)
     for r in results:
         l_auto, l_fixed = r["losses"]
         assert l_auto == l_fixed
         assert r["digests"][0] == r["digests"][1]
         assert torch.equal(r["masters"][0], r["masters"][1])
-        assert r["bytes"][0] == r["bytes"][1] > 0  # the probes are not training's bytes
-    assert results[0]["chosen"] == results[1]["chosen"]  # one verdict
-    if "shard_group_size" in lowcomm:  # a shard group of 1 rules out the sharded modes; r is small here: DeMo's row
-        assert results[0]["chosen"]["mode"] == "demo" and results[0]["chosen"]["shard_group_size"] == 1
-    else:
-        assert results[0]["chosen"]["mode"] in ("zero1", "acco")  # loopback: fast (acco if uneven)
+        assert r["bytes"][0] == r["bytes"][1]  # the probes are not training's bytes
+    chosen = results[0]["chosen"]
+    assert all(r["chosen"] == chosen for r in results)  # one verdict
+    if expected is not None:
+        assert (chosen["mode"], chosen["shard_group_size"]) == expected
+    if case == "zero1-overlap":
+        assert chosen["options"] == {"overlap": True}
+    if case == "desloc-nodes":  # r is far past 6 x 256
+        assert chosen["options"]["param_sync_every"] == 256
+        assert results[0]["digests"][0] == results[1]["digests"][0] != results[2]["digests"][0]  # 2 replicas
+    if case == "acco":
+        assert any("would now choose demo" in m for m in results[0]["logged"]), results[0]["logged"]
+        assert not any("would now choose" in m for m in results[1]["logged"])  # rank 0 alone re-checks
+        assert all(r["mode_after"] == "acco" for r in results)
 
 
 def _resume(rank, world, save_dir, first_mode):

@@ -115,7 +115,7 @@ def test_modes_do_no_file_io():
 #: the package's layers, lowest first: a module imports from its own layer or lower ones only.
 #: ``ds_lowcomm`` is the package's ``__init__`` (the public names); the bench and the example
 #: scripts it runs are tools on top.
-LAYERS = [("memory", "config", "configs"), ("comm",), ("shard",), ("checkpoint",), ("modes",), ("optimizer",),
+LAYERS = [("memory", "config", "configs"), ("comm",), ("shard",), ("checkpoint",), ("modes",), ("auto", "optimizer"),
           ("integration",), ("ds_lowcomm",), ("bench", "examples")]
 #: third-party frameworks the core never imports: DeepSpeed and Hugging Face live in integration/
 FRAMEWORKS = ("deepspeed", "transformers", "accelerate", "trl", "datasets")

@@ -223,7 +223,7 @@ def worker(args) -> None:
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        mode = engine.optimizer.mode.name if hasattr(engine, "comm_stats") else STOCK
+        mode = engine.optimizer.mode_name if hasattr(engine, "comm_stats") else STOCK
         print(RESULT_TAG + json.dumps({"mode": mode, "world_size": world, "params": n_params,
                                        "steps": engine.global_steps, "files": files, "ranks": everyone}),
               flush=True)

@@ -252,10 +252,11 @@ class Checkpointer:
         tag = _agreed(functools.partial(self._find_tag, load_dir, tag))
         tag_dir = os.path.join(load_dir, tag)
         opt = self.optimizer
+        saved = _agreed(lambda: self._checked_meta(tag_dir, load_optimizer_states))
         if opt.mode is None and load_optimizer_states:
             # "mode": "auto" before it has chosen: it resumes in the checkpoint's mode and layout
-            opt.adopt(upgrade_meta(_agreed(lambda: self._saved_meta(tag_dir))))
-        shards = _agreed(lambda: self._read(tag_dir, load_optimizer_states))
+            opt.adopt(upgrade_meta(saved))
+        shards = _agreed(lambda: self._read(tag_dir, load_optimizer_states, saved))
         opt.checkpoint_shards = shards
         try:
             out = deepspeed_load(tag)
@@ -277,10 +278,10 @@ class Checkpointer:
             tag += REPLACED
         return tag
 
-    @staticmethod
-    def _saved_meta(tag_dir: str) -> dict:
+    def _checked_meta(self, tag_dir: str, load_optimizer_states: bool) -> dict:
         """The optimizer metadata in the checkpoint's model file, checked against the manifest
-        and read with ``weights_only=True`` (which also vets the file DeepSpeed unpickles)."""
+        and read with ``weights_only=True`` (which also vets the file DeepSpeed unpickles), of
+        this model, and loadable as asked."""
         path = os.path.join(tag_dir, MODEL_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path!r} does not exist: no checkpoint with tag "
@@ -289,16 +290,17 @@ class Checkpointer:
         saved = safe_load(path, mmap=True).get("optimizer")
         if not isinstance(saved, dict):
             raise CheckpointError(f"{path!r} has no optimizer state: it was not written by ds_lowcomm")
-        return saved
-
-    def _read(self, tag_dir: str, load_optimizer_states: bool) -> ShardReader:
-        """This rank's checks and safe reads, before DeepSpeed touches anything: returns the
-        reader of the checkpoint's state, the files of this rank's new shard checked against the
-        manifest, and, saved with this layout, this rank's own file checked and read."""
         opt = self.optimizer
-        saved = self._saved_meta(tag_dir)
         check_same_model(saved, opt.param_names, [list(p.shape) for p in opt.flat.params])
         check_loadable(saved, load_optimizer_states)
+        return saved
+
+    def _read(self, tag_dir: str, load_optimizer_states: bool, saved: dict) -> ShardReader:
+        """This rank's checks and safe reads, before DeepSpeed touches anything: returns the
+        reader of the checkpoint's state (``saved``: its :meth:`_checked_meta`), the files of
+        this rank's new shard checked against the manifest, and, saved with this layout, this
+        rank's own file checked and read."""
+        opt = self.optimizer
         shards = reader_for(tag_dir, saved)
         layout = opt.flat.layout
         shards.verify(shards.files_for(layout.shard_start, layout.shard_size))

@@ -73,3 +73,12 @@ class Topology:
             control = Collectives(dist.new_group(list(range(world)), timeout=timeout, backend="gloo"),
                                   stats, timeout_s, "control")
         return Topology(world, rank, g, shard, replica, control)
+
+    def close(self) -> None:
+        """Destroy this rank's shard and replica groups, keeping the control group (another
+        topology may share it): for a topology "mode": "auto" replaced before training, whose
+        communicators (NCCL's hold device buffers) would otherwise stay open unused. No
+        communication."""
+        for collectives in (self.shard, self.replica):
+            if collectives is not None and collectives.group is not None:
+                dist.destroy_process_group(collectives.group)

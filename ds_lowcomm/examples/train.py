@@ -388,7 +388,8 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     # micro-batches per step than gradient_accumulation_steps.
     tokens_run = int(round(mean_over_ranks(micro_batches, host) * world)) * mbs * args.block_size
     result = {
-        "mode": mode, "world_size": world,
+        # ("auto": the mode it chose, or resumed in)
+        "mode": engine.optimizer.mode_name if hasattr(engine, "comm_stats") else mode, "world_size": world,
         "final_train_loss": mean_over_ranks(float(losses[-1]), host) if losses else float("nan"),
         "val_loss": val_loss, "steps": args.max_steps,
         "tokens": start * tokens_per_step + tokens_run,

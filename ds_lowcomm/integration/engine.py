@@ -150,8 +150,9 @@ class LowCommEngine(DeepSpeedEngine):
 
     def _drives_steps(self) -> bool:
         opt = getattr(self, "optimizer", None)
-        # (before "mode": "auto" has chosen, DeepSpeed's count: acco, the one mode that drives
-        # steps, needs an even accumulation count, so the first micro-batch is no boundary for it)
+        # (before "mode": "auto" has chosen: DeepSpeed's rule; the optimizer gives a mode that
+        # drives steps, chosen at the end of the first micro-batch, that micro-batch's boundary by
+        # this rule instead)
         return isinstance(opt, LowCommOptimizer) and opt.mode is not None and opt.mode.drives_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -259,6 +260,7 @@ class LowCommEngine(DeepSpeedEngine):
         DeepSpeed's: a barrier and each rank's file record; no optimizer state is gathered. With
         ``lowcomm.async_save`` it returns once this rank's state is copied, and the rest (this
         rank's file, the manifest, ``latest``) happens on a background thread."""
+        self.optimizer.require_mode("save a checkpoint")  # before DeepSpeed writes anything
         # First, so every rank tags the same step: under acco a rank may be one launch behind.
         self.optimizer.settle()
         tag = str(f"global_step{self.global_steps}" if tag is None else tag)

@@ -232,11 +232,18 @@ class Acco(Mode):
         next step's micro-batches into this one would leave that loop's step N with fewer than N
         updates (and its LR schedule off them); there, refused when set. Without it, the
         :class:`~ds_lowcomm.shard.pace.Pacer` lets the fastest rank set the pace; with it, ``balance``."""
-        o = self.options
-        aww = o.accumulate_while_waiting
-        if aww is None:
-            aww = not marks_boundaries
-        elif aww and marks_boundaries:
+        self.check_loop(self.options, marks_boundaries)
+        aww = self.options.accumulate_while_waiting
+        self.aww = (not marks_boundaries) if aww is None else aww
+        self.balance = self.aww and self.options.balance is not False
+
+    @classmethod
+    def check_loop(cls, options: AccoOptions, marks_boundaries: bool) -> None:
+        """``accumulate_while_waiting`` or ``balance`` set true under a loop that marks its own
+        boundaries: refused (see :meth:`bind_loop`)."""
+        o = options
+        aww = (not marks_boundaries) if o.accumulate_while_waiting is None else o.accumulate_while_waiting
+        if aww and marks_boundaries:
             raise LowCommConfigError(
                 "lowcomm.acco.accumulate_while_waiting: true cannot run under this loop: it marks its own "
                 "accumulation boundaries (the Trainer, accelerate, TRL) and counts a step per "
@@ -247,8 +254,6 @@ class Acco(Mode):
                 "lowcomm.acco.balance: true needs accumulate_while_waiting, which this loop cannot use (it "
                 "marks its own accumulation boundaries); remove the key: lowcomm.pace lets the fastest "
                 "rank set the pace here")
-        self.aww = aww
-        self.balance = aww and o.balance is not False
 
     def paces_in_loop(self) -> bool:
         """Not while computing while waiting: the fast ranks compute more there (``balance``)."""

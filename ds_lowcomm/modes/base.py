@@ -65,6 +65,11 @@ class Mode(abc.ABC):
         """Micro-batches per block the :class:`~ds_lowcomm.shard.pace.Pacer` plans (one round's sums)."""
         return gradient_accumulation_steps
 
+    @classmethod
+    def check_loop(cls, options, marks_boundaries: bool) -> None:
+        """Raise ``LowCommConfigError`` for ``options`` that a loop which does (or does not) mark
+        its own accumulation boundaries cannot run (what :meth:`bind_loop` would raise)."""
+
     def bind_loop(self, marks_boundaries: bool) -> None:
         """Called once, before the first backward pass: whether the loop marks its own
         accumulation boundaries (``set_gradient_accumulation_boundary``: the Trainer, accelerate,
