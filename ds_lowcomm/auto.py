@@ -52,8 +52,11 @@ FAST = 0.25
 SLOW = 3.0
 #: the slowest rank's step over the fastest's from which ranks count as uneven (pace.TRIGGER)
 UNEVEN = 1.5
-#: the largest probe all-reduce: 1 MiB, about 0.35 s at 25 Mbit/s
+#: the first probe all-reduce: 64 KiB, about 40 ms at 25 Mbit/s
+FIRST_PROBE_BYTES = 64 << 10
+#: a larger probe, of up to 1 MiB, runs where the first says it takes at most PROBE_SECONDS
 PROBE_BYTES = 1 << 20
+PROBE_SECONDS = 0.1
 
 #: bytes per parameter of a replica's optimizer state, before sharding: the fp32 master and
 #: DeMo's momentum and transmitted part, or DES-LOC's two moments and a sync's copy of the master
@@ -213,18 +216,25 @@ def _timed_all_reduce(group, numel: int, device: torch.device, repeats: int = 2)
     return best
 
 
-def predict_sync_s(group, model_numel: int, device: torch.device) -> float:
-    """One fp32 all-reduce of ``model_numel`` elements on ``group``, predicted from two timed probes:
-    a tiny one (latency; also opens a lazily created communicator) and one of up to
-    ``PROBE_BYTES``, extrapolated linearly in bytes. Collective over ``group``: about
-    2 × 4(W-1)/W × min(4·numel, PROBE_BYTES) bytes sent per rank, a few hundred milliseconds on a
-    slow link; the device is synchronized around each probe (once, before training's first
-    gradient leaves the rank)."""
+def predict_sync_s(group, model_numel: int, device: torch.device, control) -> float:
+    """One fp32 all-reduce of ``model_numel`` elements on ``group``, predicted from timed probes and
+    extrapolated linearly in bytes: tiny ones (latency; the first also opens a lazily created
+    communicator), one of up to ``FIRST_PROBE_BYTES``, and, where the link is fast enough that a
+    larger probe takes at most ``PROBE_SECONDS``, one of up to ``PROBE_BYTES`` (the ranks agree on
+    its size over ``control``, a gloo group, so that every rank issues the same collectives).
+    Collective over ``group``: at most about 2·(2·64 KiB + 1 MiB) bytes sent per rank; the device
+    is synchronized around each probe (once per run, before training's first gradient leaves the
+    rank)."""
     _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
     small = _timed_all_reduce(group, 16, device)
-    numel = max(16, min(model_numel, PROBE_BYTES // 4))
-    probe = _timed_all_reduce(group, numel, device)
-    return small + max(probe - small, 0.0) * model_numel / numel
+    numel = max(16, min(model_numel, FIRST_PROBE_BYTES // 4))
+    per_element = max(_timed_all_reduce(group, numel, device) - small, 0.0) / numel
+    # the larger probe only where it is quick: on a slow link the small one already measures bytes
+    slowest = agree([per_element], control, op=dist.ReduceOp.MAX)[0]
+    larger = min(model_numel, PROBE_BYTES // 4, int(PROBE_SECONDS / slowest) if slowest > 0 else PROBE_BYTES // 4)
+    if larger > 2 * numel:
+        per_element = max(_timed_all_reduce(group, larger, device, repeats=1) - small, 0.0) / larger
+    return small + per_element * model_numel
 
 
 def agree(values: Sequence[float], control, op=dist.ReduceOp.SUM) -> list:

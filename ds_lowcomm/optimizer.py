@@ -180,7 +180,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         local = ranks_per_node(world, control)
 
         def probe(topology: Topology) -> float:  # the mean over the ranks of their predictions
-            mine = predict_sync_s(topology.shard.group, self.flat.layout.numel, self.flat.device)
+            mine = predict_sync_s(topology.shard.group, self.flat.layout.numel, self.flat.device, control)
             return agree([mine], control)[0] / world
 
         free = None

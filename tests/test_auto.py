@@ -101,7 +101,8 @@ def _probe(rank, world):
 
     dist.init_process_group("gloo")
     group = dist.new_group(list(range(world)))
-    seconds = predict_sync_s(group, 1 << 22, torch.device("cpu"))
+    control = dist.new_group(list(range(world)), backend="gloo")
+    seconds = predict_sync_s(group, 1 << 22, torch.device("cpu"), control)
     agreed = ranks_per_node(world, group)
     os.environ["LOCAL_WORLD_SIZE"] = str(1 + rank)  # the launcher's word disagrees between ranks
     return seconds, agreed, ranks_per_node(world, group)
@@ -143,7 +144,7 @@ def _link(kind):
     if kind == "nodes":
         os.environ["LOCAL_WORLD_SIZE"] = "2"
     if kind is not None:
-        optimizer.predict_sync_s = lambda group, numel, device: (
+        optimizer.predict_sync_s = lambda group, numel, device, control: (
             1e-9 if kind == "nodes" and dist.get_world_size(group) == 2 else 1e3)
 
 
