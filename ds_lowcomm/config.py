@@ -154,7 +154,7 @@ class LowCommConfig:
             raise LowCommConfigError(f"{SECTION}: got {raw!r}; expected a JSON object such as "
                                      f'{{"mode": "zero1"}}')
         if "mode" not in raw:
-            raise LowCommConfigError(f"{SECTION}.mode: missing; set it to one of: {', '.join(modes)}")
+            raise LowCommConfigError(f"{SECTION}.mode: missing; set it to one of: {', '.join([*modes, AUTO])}")
         mode = raw["mode"]
         if mode not in modes and mode != AUTO:
             hint = difflib.get_close_matches(str(mode), [*modes, AUTO], n=1)
