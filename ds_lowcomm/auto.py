@@ -1,4 +1,4 @@
-"""``"lowcomm": {"mode": "auto"}``: the mode, and its options, for the compute and links measured.
+"""``"lowcomm": {"mode": "automatic"}``: the mode, and its options, for the compute and links measured.
 
 At the end of the run's first training micro-batch, before any gradient leaves a rank, every rank
 has timed that micro-batch (its forward and backward pass); the ranks then time probe all-reduces
@@ -23,13 +23,17 @@ fast (``r`` inside a node < ``FAST``)           node, Kx the power of two â‰¥ 6Â
 A replica layout whose optimizer state would not fit in the device memory free after the first
 micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row.
 
-(the bench's measurements behind each row: docs/auto.md). A user's own keys in a mode's
+(the bench's measurements behind each row: docs/automatic.md). A user's own keys in a mode's
 sub-object win over the picks, a ``shard_group_size`` limits the choice to the modes of that layout,
 and a candidate its ``check_config`` refuses (``acco`` with an odd accumulation count) is skipped.
 The verdict is one log line. Every ``recheck_every`` steps the compute per step is measured again
 from the run's own step times (the first micro-batch's includes warm-up), the table read again,
 and a different verdict logged: the optimizer state of one mode does not carry over to another, so
 the mode changes only at a restart with it set.
+
+Spelt ``"automatic"``, not ``"auto"``: the Hugging Face Trainer and accelerate take every ``"auto"``
+value of a DeepSpeed JSON for one of theirs to fill, and stop on one they cannot (accelerate 1.x,
+``DeepSpeedPlugin.fill_match``).
 """
 from __future__ import annotations
 
@@ -180,7 +184,7 @@ def choose(m: Measured, usable: Sequence[str]) -> Choice:
             return Choice("desloc", size, desloc_periods(r), f"{numbers}: {replicas} sync every few dozen steps")
         if not sharded:
             raise LowCommConfigError(
-                f"lowcomm.mode: 'auto' found no mode to run with lowcomm.shard_group_size {fixed} "
+                f"lowcomm.mode: 'automatic' found no mode to run with lowcomm.shard_group_size {fixed} "
                 f"({'; '.join(too_big) or 'demo and desloc refused'}); remove shard_group_size or set lowcomm.mode")
     numbers += "".join(f"; {why}" for why in too_big)
     if r < FAST and m.uneven < UNEVEN:

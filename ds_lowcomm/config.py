@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 
 SECTION = "lowcomm"
 #: ``"mode": "auto"``: not a mode but a chooser of one (:mod:`ds_lowcomm.auto`)
-AUTO = "auto"
+AUTO = "automatic"
 COMM_DTYPES = ("auto", "fp32", "bf16")
 PACES = ("fastest", "slowest")
 #: the spellings DeepSpeed accepts for ``data_types.grad_accum_dtype``, by the dtype they name
@@ -103,7 +103,7 @@ def parse_options(cls: type, raw: Any, path: str) -> Any:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    """``"lowcomm": {"auto": {...}}``: options of ``"mode": "auto"``."""
+    """``"lowcomm": {"automatic": {...}}``: options of ``"mode": "automatic"``."""
     recheck_every: int = option(200, "optimizer steps between re-checks of the choice with the compute per step "
                                 "measured since (the first micro-batch's includes warm-up); a different "
                                 "verdict is logged, the mode is not switched in flight; 0 = never",
@@ -139,10 +139,10 @@ class LowCommConfig:
                                  "computes every micro-batch", choices=PACES)
     mode_options: Any = None
     #: every mode's validated sub-object, by name, and the keys its JSON object gave (``"mode":
-    #: "auto"`` builds the chosen mode from them, the user's keys over its own picks)
+    #: "automatic"`` builds the chosen mode from them, the user's keys over its own picks)
     options_by_mode: Any = field(default=None, compare=False, repr=False)
     given_by_mode: Any = field(default=None, compare=False, repr=False)
-    #: ``"mode": "auto"``: ``check(mode, options, shard_group_size)``, the reason that mode cannot run
+    #: ``"mode": "automatic"``: ``check(mode, options, shard_group_size)``, the reason that mode cannot run
     #: with those settings under this DeepSpeed config (its ``check_config``), or None
     check_mode: Any = field(default=None, compare=False, repr=False)
 
@@ -362,8 +362,8 @@ def reference_markdown(modes: Mapping[str, Any]) -> str:
            "```json", f'"{SECTION}": {{"mode": "zero1", "comm_dtype": "auto", "zero1": {{"overlap": true}}}}', "```",
            "", f"## `{SECTION}`", "",
            *head, f"| `mode` | a string | required | {', '.join(f'`{json_value(m)}`' for m in [*modes, AUTO])} | "
-           "which algorithm owns data-parallel communication (`\"auto\"`: chosen from the measured compute "
-           "and links, see docs/auto.md) |",
+           "which algorithm owns data-parallel communication (`\"automatic\"`: chosen from the measured compute "
+           "and links, see docs/automatic.md) |",
            *_rows(LowCommConfig, "", skip=("mode", "mode_options", "options_by_mode", "given_by_mode",
                                             "check_mode"))]
     for name, cls in modes.items():

@@ -87,7 +87,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.modules = tuple(modules)
         self.stats = CommStats()
         self.checkpoint_stats = CommStats()
-        # "mode": "auto" starts on the whole world's layout (zero1's) and chooses at the end of the
+        # "mode": "automatic" starts on the whole world's layout (zero1's) and chooses at the end of the
         # first micro-batch (_choose): a smaller shard group then takes a prefix of the same buffers
         auto = config.mode == AUTO
         self.topology = Topology.build(None if auto else config.shard_group_size, config.collective_timeout_s,
@@ -115,7 +115,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.overflow = False
         #: set by LowCommEngine.load_checkpoint while DeepSpeed loads: where the flat state is read
         self.checkpoint_shards = None
-        #: what "mode": "auto" chose (None: a fixed mode, or not chosen yet) and the timings it reads
+        #: what "mode": "automatic" chose (None: a fixed mode, or not chosen yet) and the timings it reads
         self.choice: Optional[Choice] = None
         self.measured: Optional[Measured] = None
         self._first_forward: Optional[float] = None  # host clock as the first micro-batch started
@@ -147,25 +147,25 @@ class LowCommOptimizer(torch.optim.Optimizer):
             gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
             _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
             record_step=self.record_step, modules=self.modules, pacer=self.pacer), config.mode_options)
-        if self._marks_boundaries is not None:  # the loop was bound while "auto" was choosing
+        if self._marks_boundaries is not None:  # the loop was bound while "automatic" was choosing
             self.bind_loop(self._marks_boundaries)
 
     @property
     def mode_name(self) -> str:
-        """The running mode's name; ``"auto"`` until "mode": "auto" has chosen."""
+        """The running mode's name; ``"automatic"`` until "mode": "automatic" has chosen."""
         return AUTO if self.mode is None else self.mode.name
 
-    # -- "mode": "auto" ---------------------------------------------------------------------------
+    # -- "mode": "automatic" ---------------------------------------------------------------------------
 
     def _clock(self) -> float:
-        """Host seconds, the device's queued work done first (only while "auto" times the first
+        """Host seconds, the device's queued work done first (only while "automatic" times the first
         micro-batch: once per run)."""
         if self.flat.device.type == "cuda":
             torch.cuda.synchronize(self.flat.device)
         return time.perf_counter()
 
     def _choose(self) -> None:
-        """"mode": "auto" at the end of the first micro-batch: time it, probe the links, choose
+        """"mode": "automatic" at the end of the first micro-batch: time it, probe the links, choose
         (:func:`ds_lowcomm.auto.choose`), set up the chosen mode's layout and start it; one log
         line says what and why. Collective (every rank, the same verdict): a few small agreements
         on the control group and the probe all-reduces (:func:`~ds_lowcomm.auto.predict_sync_s`)."""
@@ -201,7 +201,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self._start_chosen(choice, config, node_topology)
         if rank == 0:
             skipped = f" ({'; '.join(refused)})" if refused else ""
-            logger.warning(f"ds_lowcomm: mode auto chose {describe(choice)}: {choice.reason}{skipped}; set "
+            logger.warning(f"ds_lowcomm: mode automatic chose {describe(choice)}: {choice.reason}{skipped}; set "
                            f"lowcomm.mode to override")
 
     def _start_chosen(self, choice: Choice, config: LowCommConfig, node_topology: Optional[Topology] = None) -> None:
@@ -223,13 +223,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self._recheck_from = (time.perf_counter(), self.steps, self.stats.exposed_comm_seconds)
 
     def adopt(self, saved: dict) -> None:
-        """"mode": "auto" loading a checkpoint before it has chosen: take the mode, picks and
-        layout the checkpoint was written with (what "auto" chose then, or a fixed mode's, with
+        """"mode": "automatic" loading a checkpoint before it has chosen: take the mode, picks and
+        layout the checkpoint was written with (what "automatic" chose then, or a fixed mode's, with
         this config's options for it), so that its state carries over; a shard group size that
         does not divide this world becomes their greatest common divisor. ``saved``: the model
         file's optimizer metadata. Collective when the layout changes (new process groups)."""
         world = self.topology.world_size
-        chosen = saved.get("auto")
+        chosen = saved.get(AUTO)
         if chosen is not None:
             choice = Choice(chosen["mode"], chosen["shard_group_size"], dict(chosen["options"]),
                             "as the checkpoint was written")
@@ -249,12 +249,12 @@ class LowCommOptimizer(torch.optim.Optimizer):
         config = self._config_for(choice)
         error = self.config.check_mode(choice.mode, config.mode_options, choice.shard_group_size or world)
         if error is not None:
-            raise CheckpointError(f"this checkpoint was written in mode {choice.mode!r}, which \"mode\": \"auto\" "
+            raise CheckpointError(f"this checkpoint was written in mode {choice.mode!r}, which \"mode\": \"automatic\" "
                                   f"resumes in, but it cannot run here: {error}")
         self._start_chosen(choice, config)
         if self.topology.rank == 0:
-            logger.warning(f"ds_lowcomm: mode auto resumes in {describe(choice)}, {choice.reason} (its state "
-                           f"carries over; auto chooses only at a fresh start)")
+            logger.warning(f"ds_lowcomm: mode automatic resumes in {describe(choice)}, {choice.reason} (its state "
+                           f"carries over; automatic chooses only at a fresh start)")
 
     def _pick(self, measured: Measured):
         """(choice, its concrete config, the candidates refused and why): :func:`choose` over the
@@ -286,7 +286,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                    shard_group_size=choice.shard_group_size)
 
     def _recheck(self) -> None:
-        """Every ``auto.recheck_every`` steps after the choice: the table again with the compute
+        """Every ``automatic.recheck_every`` steps after the choice: the table again with the compute
         per step measured since (wall time less exposed communication, this rank's), the links as
         probed; a different verdict is logged on rank 0. No communication."""
         start, steps, exposed = self._recheck_from
@@ -302,12 +302,12 @@ class LowCommOptimizer(torch.optim.Optimizer):
         try:
             choice, _, _ = self._pick(measured)
         except LowCommConfigError as err:  # only rank 0 re-checks: it must not stop the run alone
-            logger.warning(f"ds_lowcomm: mode auto: the re-check at step {self.steps} found no mode ({err}); "
+            logger.warning(f"ds_lowcomm: mode automatic: the re-check at step {self.steps} found no mode ({err}); "
                            f"re-checks are off for the rest of the run")
             self.measured = None
             return
         if (choice.mode, choice.shard_group_size) != (self.choice.mode, self.choice.shard_group_size):
-            logger.warning(f"ds_lowcomm: mode auto: at step {self.steps} a step computes in {compute:.3g} s, "
+            logger.warning(f"ds_lowcomm: mode automatic: at step {self.steps} a step computes in {compute:.3g} s, "
                            f"not the {base.compute_s:.3g} s of the first micro-batch; it would now choose "
                            f"{describe(choice)} ({choice.reason}). The running {describe(self.choice)} "
                            f"keeps going (its optimizer state does not carry over); set lowcomm.mode to "
@@ -318,7 +318,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def bind_loop(self, marks_boundaries: bool) -> None:
         """Called by the engine before the first backward pass: whether the loop marks its own
         accumulation boundaries (see :meth:`Mode.bind_loop`). No communication."""
-        if self.mode is None:  # "auto": kept for the mode it chooses
+        if self.mode is None:  # "automatic": kept for the mode it chooses
             self._marks_boundaries = marks_boundaries
             return
         self.mode.bind_loop(marks_boundaries)
@@ -330,7 +330,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def begin_micro_batch(self) -> bool:
         """Called by the engine as a training forward pass starts: whether it runs with
         gradients (False: forward only, this rank being slower than the fastest; see
-        :mod:`ds_lowcomm.shard.pace`). No communication, no host sync (but while "mode": "auto"
+        :mod:`ds_lowcomm.shard.pace`). No communication, no host sync (but while "mode": "automatic"
         times the first micro-batch)."""
         if self.mode is None:
             if self._first_forward is None:
@@ -350,7 +350,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Called by the engine after every micro-batch's backward pass, or in its place for one
         run forward only (``computed`` False); ``weight``: 1, or its label tokens (a 0-d tensor)
         when the loop normalises the loss by ``num_items_in_batch``. No communication, except
-        at the end of the first micro-batch under "mode": "auto", which chooses the mode then."""
+        at the end of the first micro-batch under "mode": "automatic", which chooses the mode then."""
         if self.mode is None:
             self._choose()
             if self.mode.drives_steps and not self._marks_boundaries:
@@ -374,7 +374,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("LowCommOptimizer.step does not take a closure")
         if self.mode is None:
-            raise RuntimeError("ds_lowcomm: optimizer.step() before any backward pass; with \"mode\": \"auto\" "
+            raise RuntimeError("ds_lowcomm: optimizer.step() before any backward pass; with \"mode\": \"automatic\" "
                                "the mode is chosen during the first one (call engine.backward(loss) first)")
         self.mode.step()
         if self._trim_heap:
@@ -473,7 +473,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.grads.remove_hooks()
 
     def master_weights(self) -> torch.Tensor:
-        """Full unpadded fp32 master weights (collective; before "auto" has chosen: the parameters)."""
+        """Full unpadded fp32 master weights (collective; before "automatic" has chosen: the parameters)."""
         if self.mode is None:
             return self.flat.unpadded(self.flat.buffer).float().clone()
         return self.mode.master_weights()
@@ -494,16 +494,16 @@ class LowCommOptimizer(torch.optim.Optimizer):
                    round_s_per_step=out["round_seconds"] / steps,
                    **(self.mode.metrics() if self.mode is not None else {}))
         if self.choice is not None:
-            out["auto"] = self.choice.as_dict()
+            out[AUTO] = self.choice.as_dict()
         if self.pacer is not None and self.pacer.active:
             out["computed_share_by_rank"] = self.pacer.computed_shares()
         return out
 
     def require_mode(self, what: str) -> None:
-        """Raise (before anything is written) when "mode": "auto" has not chosen yet."""
+        """Raise (before anything is written) when "mode": "automatic" has not chosen yet."""
         if self.mode is None:
             raise RuntimeError(f"ds_lowcomm: cannot {what} before the first training micro-batch: \"mode\": "
-                               f"\"auto\" chooses the mode then (train one step first, or set lowcomm.mode)")
+                               f"\"automatic\" chooses the mode then (train one step first, or set lowcomm.mode)")
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -520,10 +520,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The optimizer's metadata (DeepSpeed writes rank 0's into its model file): names,
         shapes, hyperparameters, counters and how the flat state is cut into the rank files.
-        No communication; the state itself is in :meth:`rank_state_dict`. ``"auto"``: what
-        "mode": "auto" chose, which a run of "auto" resumes with."""
+        No communication; the state itself is in :meth:`rank_state_dict`. ``"automatic"``: what
+        "mode": "automatic" chose, which a run of "automatic" resumes with."""
         self.require_mode("save a checkpoint")
-        auto = {} if self.choice is None else {"auto": self.choice.as_dict()}
+        auto = {} if self.choice is None else {AUTO: self.choice.as_dict()}
         return {"format": FORMAT, "mode": self.mode.name, **auto,
                 "param_names": self.param_names,
                 "param_shapes": [list(p.shape) for p in self.flat.params],
@@ -563,7 +563,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
                                   "load it with engine.load_checkpoint")
         # (the Checkpointer has checked the model, before DeepSpeed touched anything)
         if not load_optimizer_states:
-            if self.mode is not None:  # else "auto" starts its chosen mode from the loaded weights
+            if self.mode is not None:  # else "automatic" starts its chosen mode from the loaded weights
                 self.mode.restore(None, shards, None)
             return
         if state_dict["mode"] != self.mode.name:

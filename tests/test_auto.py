@@ -1,4 +1,4 @@
-""""mode": "auto": the choice table, the probes on real ranks, and runs that choose, train and
+""""mode": "automatic": the choice table, the probes on real ranks, and runs that choose, train and
 resume exactly as the chosen mode set by hand does."""
 import math
 
@@ -73,19 +73,19 @@ def test_desloc_periods_and_no_mode_left():
 
 @pytest.mark.unit
 def test_auto_config():
-    cfg = parse(workers.config("auto", auto={"recheck_every": 50}, desloc={"param_sync_every": 8}), MODES)
-    assert cfg.mode == "auto" and cfg.mode_options.recheck_every == 50
+    cfg = parse(workers.config("automatic", automatic={"recheck_every": 50}, desloc={"param_sync_every": 8}), MODES)
+    assert cfg.mode == "automatic" and cfg.mode_options.recheck_every == 50
     assert cfg.given_by_mode["desloc"] == {"param_sync_every"}
     # a candidate's own check runs with the settings auto would give it
-    odd = workers.config("auto")
+    odd = workers.config("automatic")
     odd["gradient_accumulation_steps"] = 3
     check = parse(odd, MODES).check_mode
     assert "gradient_accumulation_steps" in check("acco", MODES["acco"].Options(), None)
     assert check("zero1", MODES["zero1"].Options(), None) is None
-    assert "pace" in parse(workers.config("auto", pace="fastest"), MODES).check_mode("demo", MODES["demo"].Options(), 1)
-    for bad, words in (({"mode": "atuo"}, "did you mean 'auto'"), ({"mode": "auto", "auto": {"every": 3}},
-                                                                     "lowcomm.auto.every: unknown key"),
-                       ({"mode": "auto", "auto": {"recheck_every": -1}}, "lowcomm.auto.recheck_every")):
+    assert "pace" in parse(workers.config("automatic", pace="fastest"), MODES).check_mode("demo", MODES["demo"].Options(), 1)
+    for bad, words in (({"mode": "automatc"}, "did you mean 'automatic'"), ({"mode": "automatic", "automatic": {"every": 3}},
+                                                                     "lowcomm.automatic.every: unknown key"),
+                       ({"mode": "automatic", "automatic": {"recheck_every": -1}}, "lowcomm.automatic.recheck_every")):
         cfg = workers.config(None)
         cfg["lowcomm"] = bad
         with pytest.raises(LowCommConfigError, match=words):
@@ -122,7 +122,7 @@ ACCO_FIXED = {"accumulate_while_waiting": False, "balance": False}  # acco's tim
 # fast inside one; None: this machine's own probes (loopback), whatever they choose
 AUTO_CASES = {
     "probed": (2, 2, {"acco": ACCO_FIXED}, None, None),
-    "acco": (2, 2, {"acco": ACCO_FIXED, "auto": {"recheck_every": 1}}, "moderate", ("acco", None)),
+    "acco": (2, 2, {"acco": ACCO_FIXED, "automatic": {"recheck_every": 1}}, "moderate", ("acco", None)),
     # an odd accumulation count rules acco out; the first micro-batch is a step's boundary
     "zero1-overlap": (2, 1, {}, "moderate", ("zero1", None)),
     "demo": (2, 2, {}, "slow", ("demo", 1)),
@@ -149,18 +149,18 @@ def _link(kind):
 
 
 def _auto_vs_fixed(rank, world, case, steps):
-    """An "auto" run and, on the same data, the mode it chose set by hand."""
+    """An "automatic" run and, on the same data, the mode it chose set by hand."""
     import logging
 
     import ds_lowcomm.auto as auto
 
     _, gas, lowcomm, link, _ = AUTO_CASES[case]
     _link(link)
-    cfg = workers.config("auto", **lowcomm)
+    cfg = workers.config("automatic", **lowcomm)
     cfg["gradient_accumulation_steps"] = gas
     engine = workers.build_engine(cfg)
     l_auto = workers.train(engine, steps, rank=rank)
-    chosen = engine.comm_stats()["auto"]
+    chosen = engine.comm_stats()["automatic"]
     mode = chosen["mode"]
     fixed_lowcomm = {mode: {**chosen["options"], **lowcomm.get(mode, {})}}
     if chosen["shard_group_size"] is not None:
@@ -174,7 +174,7 @@ def _auto_vs_fixed(rank, world, case, steps):
     out = dict(chosen=chosen, losses=(l_auto, l_fixed), digests=[workers.params_digest(e) for e in (engine, fixed)],
                masters=[e.optimizer.master_weights() for e in (engine, fixed)],
                bytes=[e.comm_stats()["bytes_sent_per_step"] for e in (engine, fixed)], logged=[])
-    if lowcomm.get("auto", {}).get("recheck_every"):
+    if lowcomm.get("automatic", {}).get("recheck_every"):
         # the link's ratio is now past SLOW: the next re-check logs another verdict, and switches nothing
         handler = logging.Handler()
         handler.emit = lambda record: out["logged"].append(record.getMessage())
@@ -215,33 +215,33 @@ def test_auto_trains_as_the_mode_it_chose(case):
 
 
 def _resume(rank, world, save_dir, first_mode):
-    cfg_auto = workers.config("auto", shard_group_size=1) if first_mode == "auto" else workers.config("auto")
-    straight = workers.build_engine(cfg_auto if first_mode == "auto" else workers.config(first_mode))
+    cfg_automatic = workers.config("automatic", shard_group_size=1) if first_mode == "automatic" else workers.config("automatic")
+    straight = workers.build_engine(cfg_automatic if first_mode == "automatic" else workers.config(first_mode))
     l_straight = workers.train(straight, 6, rank=rank)
-    first = workers.build_engine(cfg_auto if first_mode == "auto" else workers.config(first_mode))
+    first = workers.build_engine(cfg_automatic if first_mode == "automatic" else workers.config(first_mode))
     l_resumed = workers.train(first, 3, rank=rank)
     first.save_checkpoint(save_dir)
-    second = workers.build_engine(cfg_auto, seed=123)
+    second = workers.build_engine(cfg_automatic, seed=123)
     second.load_checkpoint(save_dir)
     l_resumed += workers.train(second, 3, start=3, rank=rank)
     return dict(losses=(l_straight, l_resumed), digests=[workers.params_digest(e) for e in (straight, second)],
                 modes=[e.optimizer.mode_name for e in (straight, second)],
-                chosen=second.comm_stats().get("auto"))
+                chosen=second.comm_stats().get("automatic"))
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("first_mode", ["auto", "zero1"])
+@pytest.mark.parametrize("first_mode", ["automatic", "zero1"])
 def test_auto_resumes_in_the_checkpoints_mode(tmp_path, first_mode):
-    """A restart of "auto" takes the mode, picks and layout its checkpoint was written with (an
-    "auto" run's choice, or a fixed mode's), and continues exactly as the run that never stopped."""
+    """A restart of "automatic" takes the mode, picks and layout its checkpoint was written with (an
+    "automatic" run's choice, or a fixed mode's), and continues exactly as the run that never stopped."""
     for r in run_ranks(_resume, 2, str(tmp_path), first_mode):
         l_straight, l_resumed = r["losses"]
         assert l_resumed == l_straight
         assert r["digests"][0] == r["digests"][1]
-        expected = "demo" if first_mode == "auto" else "zero1"
+        expected = "demo" if first_mode == "automatic" else "zero1"
         assert r["modes"] == [expected, expected]
         assert r["chosen"]["mode"] == expected
-        if first_mode == "auto":
+        if first_mode == "automatic":
             assert r["chosen"]["options"]["topk"] == 256 and r["chosen"]["shard_group_size"] == 1
         else:
             assert r["chosen"]["shard_group_size"] is None and math.isfinite(l_resumed[-1])

@@ -162,13 +162,13 @@ def test_good_config_defaults():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("mode", ["zero1", "acco", "demo", "desloc", "auto"])
+@pytest.mark.parametrize("mode", ["zero1", "acco", "demo", "desloc", "automatic"])
 def test_trainer_configs_match_the_deepspeed_ones(mode):
     """ds_configs/hf/<mode>.json: the shipped mode's "lowcomm" section, and only "auto" where a
     script's arguments decide."""
     root = Path(__file__).resolve().parents[1] / "ds_configs"
     hf = json.loads((root / "hf" / f"{mode}.json").read_text())
-    plain = json.loads((root / ({"zero1": "zero1.json", "auto": "auto.json"}.get(mode, f"{mode}_zero1.json"))).read_text())
+    plain = json.loads((root / ({"zero1": "zero1.json", "automatic": "automatic.json"}.get(mode, f"{mode}_zero1.json"))).read_text())
     assert hf["lowcomm"] == plain["lowcomm"]
     assert "optimizer" not in hf and "scheduler" not in hf
     autos = {k for k, v in hf.items() if v == "auto"}

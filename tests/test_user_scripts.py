@@ -165,15 +165,15 @@ def _saved_counts(out: Path, kind: str, step: int) -> dict:
     return counts
 
 
-# and "mode": "auto" under the Trainer (ds_configs/hf/auto.json): it chooses at the first
+# and "mode": "automatic" under the Trainer (ds_configs/hf/automatic.json): it chooses at the first
 # micro-batch, and the resumed run takes the mode its checkpoint was written in
-@pytest.mark.parametrize("kind,mode", [(k, m) for m in MODES for k in SCRIPT_KINDS] + [("trainer", "auto")])
+@pytest.mark.parametrize("kind,mode", [(k, m) for m in MODES for k in SCRIPT_KINDS] + [("trainer", "automatic")])
 def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
     n, out = _nprocs(kind), tmp_path / "run"
     first = _run(kind, mode, assets, out, n)
     assert first.returncode == 0, first.stderr[-4000:]
-    if mode == "auto":
-        assert "ds_lowcomm: mode auto chose " in first.stderr + first.stdout, first.stderr[-4000:]
+    if mode == "automatic":
+        assert "ds_lowcomm: mode automatic chose " in first.stderr + first.stdout, first.stderr[-4000:]
     purelib = Path(sysconfig.get_paths()["purelib"]).resolve()
     for r in _results(out, n):
         assert r["engine"] == "LowCommEngine"
@@ -214,9 +214,9 @@ def test_user_script_trains_saves_and_resumes(tmp_path, assets, kind, mode):
     shutil.rmtree(later)
     second = _run(kind, mode, assets, out, n, resume=True)
     assert second.returncode == 0, second.stderr[-4000:]
-    if mode == "auto":  # the checkpoint's mode, measured nothing
+    if mode == "automatic":  # the checkpoint's mode, measured nothing
         output = second.stderr + second.stdout
-        assert "ds_lowcomm: mode auto resumes in " in output and "mode auto chose" not in output, output[-4000:]
+        assert "ds_lowcomm: mode automatic resumes in " in output and "mode automatic chose" not in output, output[-4000:]
     for r in _results(out, n):
         assert r["engine"] == "LowCommEngine"
         assert r["engine_global_steps"] == STEPS

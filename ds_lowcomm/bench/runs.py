@@ -40,7 +40,7 @@ CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd":
            "acco-fp32-gather": "acco_zero1.json", "dpu": "dpu_zero1.json",
            "demo": "demo_zero1.json", "demo-overlap": "demo_zero1.json", "desloc": "desloc_zero1.json",
            "desloc-compressed": "desloc_zero1.json", "desloc-streamed": "desloc_zero1.json",
-           "diloco": "desloc_zero1.json", "zero1-slowest": "zero1.json", "auto": "auto.json"}
+           "diloco": "desloc_zero1.json", "zero1-slowest": "zero1.json", "automatic": "automatic.json"}
 
 
 #: the shipped configs a regime uses instead of CONFIGS' (its link makes other settings win)
@@ -74,7 +74,7 @@ LOWCOMM_OPTIONS = {"zero1-slowest": {"pace": "slowest"}}
 #: --regime uneven-trainer's modes: the config examples/finetune_hf.py runs (None: no DeepSpeed,
 #: the Trainer's DDP); "deepspeed" drops the "lowcomm" section (stock ZeRO-1)
 TRAINER_CONFIGS = {"zero1": "hf/zero1.json", "zero1-slowest": "hf/zero1.json", "acco": "hf/acco.json",
-                   "deepspeed": "hf/zero1.json", "ddp": None, "auto": "hf/auto.json"}
+                   "deepspeed": "hf/zero1.json", "ddp": None}
 
 
 

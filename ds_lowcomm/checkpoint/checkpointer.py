@@ -254,7 +254,7 @@ class Checkpointer:
         opt = self.optimizer
         saved = _agreed(lambda: self._checked_meta(tag_dir, load_optimizer_states))
         if opt.mode is None and load_optimizer_states:
-            # "mode": "auto" before it has chosen: it resumes in the checkpoint's mode and layout
+            # "mode": "automatic" before it has chosen: it resumes in the checkpoint's mode and layout
             opt.adopt(upgrade_meta(saved))
         shards = _agreed(lambda: self._read(tag_dir, load_optimizer_states, saved))
         opt.checkpoint_shards = shards

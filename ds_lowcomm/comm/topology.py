@@ -76,7 +76,7 @@ class Topology:
 
     def close(self) -> None:
         """Destroy this rank's shard and replica groups, keeping the control group (another
-        topology may share it): for a topology "mode": "auto" replaced before training, whose
+        topology may share it): for a topology "mode": "automatic" replaced before training, whose
         communicators (NCCL's hold device buffers) would otherwise stay open unused. No
         communication."""
         for collectives in (self.shard, self.replica):

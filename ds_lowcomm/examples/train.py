@@ -388,7 +388,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     # micro-batches per step than gradient_accumulation_steps.
     tokens_run = int(round(mean_over_ranks(micro_batches, host) * world)) * mbs * args.block_size
     result = {
-        # ("auto": the mode it chose, or resumed in)
+        # ("automatic": the mode it chose, or resumed in)
         "mode": engine.optimizer.mode_name if hasattr(engine, "comm_stats") else mode, "world_size": world,
         "final_train_loss": mean_over_ranks(float(losses[-1]), host) if losses else float("nan"),
         "val_loss": val_loss, "steps": args.max_steps,
@@ -398,8 +398,8 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
         "exposed_comm_s_per_step": wait, "params": n_params, "skipped_steps": engine.skipped_steps,
         "micro_batches_per_round": meter.micro_batches_per_round(),
-        # "mode": "auto": what it chose and why
-        **({"auto": engine.optimizer.choice.as_dict()} if getattr(getattr(engine, "optimizer", None), "choice", None)
+        # "mode": "automatic": what it chose and why
+        **({"automatic": engine.optimizer.choice.as_dict()} if getattr(getattr(engine, "optimizer", None), "choice", None)
            else {}),
         # Loopback counts every rank's traffic once: per rank is the total over the world size.
         "link_bytes_per_rank_per_step": link_bytes / world / steps_run if link_bytes is not None and steps_run else None,

@@ -150,7 +150,7 @@ class LowCommEngine(DeepSpeedEngine):
 
     def _drives_steps(self) -> bool:
         opt = getattr(self, "optimizer", None)
-        # (before "mode": "auto" has chosen: DeepSpeed's rule; the optimizer gives a mode that
+        # (before "mode": "automatic" has chosen: DeepSpeed's rule; the optimizer gives a mode that
         # drives steps, chosen at the end of the first micro-batch, that micro-batch's boundary by
         # this rule instead)
         return isinstance(opt, LowCommOptimizer) and opt.mode is not None and opt.mode.drives_steps
