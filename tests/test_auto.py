@@ -245,3 +245,23 @@ def test_auto_resumes_in_the_checkpoints_mode(tmp_path, first_mode):
             assert r["chosen"]["options"]["topk"] == 256 and r["chosen"]["shard_group_size"] == 1
         else:
             assert r["chosen"]["shard_group_size"] is None and math.isfinite(l_resumed[-1])
+
+
+def _save_before_choosing(rank, world, save_dir):
+    import os
+
+    engine = workers.build_engine(workers.config("automatic"))
+    try:
+        engine.save_checkpoint(save_dir)
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = None
+    return message, sorted(os.listdir(save_dir))
+
+
+@pytest.mark.integration
+def test_a_save_before_the_choice_is_refused_before_anything_is_written(tmp_path):
+    for message, written in run_ranks(_save_before_choosing, 2, str(tmp_path)):
+        assert message is not None and "before the first training micro-batch" in message
+        assert written == []  # no tag, no latest
