@@ -81,13 +81,14 @@ def test_bench_refuses_before_its_first_run(tmp_path, capsys):
 def test_bench_desloc_peers_configs(tmp_path):
     """``diloco`` is DiLoCo's recipe on desloc's replicas (parameters only, outer Nesterov 0.7 /
     0.9 every H steps) and ``desloc-compressed`` sends top-1 of 64 per parameter sync, moments
-    never averaged, ``desloc-streamed`` applies each parameter sync 12 steps late; they keep the
+    never averaged, ``desloc-streamed`` applies each parameter sync 12 steps late, ``desloc-muon``
+    takes Muon as the local step; they keep the
     regime's period (the slow-link config's 64 under --regime slow),
     and a --set still overrides them."""
     from ds_lowcomm.bench import cli
     from ds_lowcomm.bench.runs import write_config
 
-    args = cli.parse_args(["--modes", "diloco,desloc-compressed,desloc-streamed", "--out", str(tmp_path)])
+    args = cli.parse_args(["--modes", "diloco,desloc-compressed,desloc-streamed,desloc-muon", "--out", str(tmp_path)])
     for mode in args.mode_list:
         write_config(mode, args, tmp_path, 10)
     read = lambda mode: json.loads((tmp_path / "configs" / f"{mode}.10.json").read_text())["lowcomm"]  # noqa: E731
@@ -97,6 +98,8 @@ def test_bench_desloc_peers_configs(tmp_path):
                                                    "variance_sync_every": 0, "sync_topk": 1}
     assert read("desloc-streamed")["desloc"] == {"param_sync_every": 16, "momentum_sync_every": 48,
                                                  "variance_sync_every": 96, "param_sync_delay": 12}
+    assert read("desloc-muon")["desloc"] == {"param_sync_every": 16, "momentum_sync_every": 48,
+                                             "variance_sync_every": 96, "inner_optimizer": "muon"}
     args = cli.parse_args(["--modes", "desloc-compressed", "--set", "desloc.sync_topk=2", "--out", str(tmp_path)])
     write_config("desloc-compressed", args, tmp_path, 10)
     assert read("desloc-compressed")["desloc"]["sync_topk"] == 2

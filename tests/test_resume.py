@@ -49,6 +49,9 @@ CASES = {
     "demo-overlap": (_config("demo", shard_group_size=1, demo={"overlap": True}), 16, 8),
     # step 5: mid-period for θ (2), m (6) and v (12)
     "desloc": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2}), 18, 10),
+    # Muon as the local step: its momentum in exp_avg, saved per replica like AdamW's
+    "desloc-muon": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2,
+                                                                   "inner_optimizer": "muon"}), 18, 10),
     # compressed parameter syncs: each replica's error buffer (what its syncs have not sent) saved
     "desloc-compressed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2, "sync_topk": 2,
                                                                          "sync_chunk": 16}), 18, 10),

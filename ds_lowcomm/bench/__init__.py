@@ -18,7 +18,8 @@ plots into ``--out``:
   parameters gathered whole), ``demo-overlap`` (``"demo": {"overlap": true, "lookahead": false}``),
   ``zero1-slowest`` (``"pace": "slowest"``: every rank computes every micro-batch it is handed),
   ``desloc-compressed`` (``"desloc": {"sync_topk": 1}``, moments never averaged),
-  ``desloc-streamed`` (``"desloc": {"param_sync_delay": 12}``), ``diloco``
+  ``desloc-streamed`` (``"desloc": {"param_sync_delay": 12}``), ``desloc-muon``
+  (``"desloc": {"inner_optimizer": "muon"}``), ``diloco``
   (DiLoCo, arXiv 2311.08105, as its users run it: ``desloc`` with the moments never averaged and an
   outer Nesterov step of lr 0.7, momentum 0.9 every H = ``param_sync_every`` steps).
 

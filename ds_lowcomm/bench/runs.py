@@ -40,13 +40,15 @@ CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd":
            "acco-fp32-gather": "acco_zero1.json", "dpu": "dpu_zero1.json",
            "demo": "demo_zero1.json", "demo-overlap": "demo_zero1.json", "desloc": "desloc_zero1.json",
            "desloc-compressed": "desloc_zero1.json", "desloc-streamed": "desloc_zero1.json",
+           "desloc-muon": "desloc_zero1.json",
            "diloco": "desloc_zero1.json", "zero1-slowest": "zero1.json", "automatic": "automatic.json"}
 
 
 #: the shipped configs a regime uses instead of CONFIGS' (its link makes other settings win)
 REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "demo-overlap": "demo_slow_link.json",
                            "desloc": "desloc_slow_link.json", "desloc-compressed": "desloc_slow_link.json",
-                           "desloc-streamed": "desloc_slow_link.json", "diloco": "desloc_slow_link.json"}
+                           "desloc-streamed": "desloc_slow_link.json",
+                           "desloc-muon": "desloc_slow_link.json", "diloco": "desloc_slow_link.json"}
                   for regime in ("slow", "two-node")}
 
 
@@ -61,6 +63,8 @@ VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
             # streamed parameter syncs, applied 12 steps late: about a slow-regime sync's time in
             # steps of compute, so its all-reduce hides behind them (needs param_sync_every > 12)
             "desloc-streamed": {"desloc": {"param_sync_delay": 12}},
+            # Muon as the inner step (MuLoCo, arXiv 2505.23725): an experiment, measured against AdamW
+            "desloc-muon": {"desloc": {"inner_optimizer": "muon"}},
             # DiLoCo (arXiv 2311.08105) as its users run it: inner AdamW per replica, every H steps an
             # outer Nesterov step (lr 0.7, momentum 0.9) on the averaged parameters, moments local
             "diloco": {"desloc": {"momentum_sync_every": 0, "variance_sync_every": 0, "outer_lr": 0.7,

@@ -31,6 +31,10 @@ moments' syncs stay synchronous. The local steps stay on the training thread: th
 the syncs only, so D steps of compute can hide one. It costs the master at the launch (4/S bytes per parameter) and,
 for dense syncs, the buffer sent (4/S more); a save with a sync in flight waits for it and keeps
 its result and the launch master, so a resume applies it at the same step.
+``inner_optimizer`` "muon" makes the local step Muon (:mod:`ds_lowcomm.shard.muon`) on the hidden
+matrices, AdamW on the rest; its momentum is ``exp_avg`` and is averaged on Ku like Adam's (the
+matrices' ``exp_avg_sq`` stays zero and is averaged all the same: one state layout for both).
+Newton–Schulz needs whole matrices, so it needs ``shard_group_size`` 1.
 Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
 with the same layout gives every replica its own; at another world size or ``shard_group_size``
 every replica starts from the average of the saved replicas (a sync of all three).
@@ -58,6 +62,7 @@ from ds_lowcomm.shard.flat import gather_full
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode, ModeState, require_shard_group_size
 from ds_lowcomm.shard.adamw import ShardAdamW
+from ds_lowcomm.shard.muon import ShardMuon, muon_matrices
 from ds_lowcomm.memory import CHUNK_BYTES, temporary
 from ds_lowcomm.modes.sparse import MAX_CHUNK, ChunkTopK
 from ds_lowcomm.shard.step import ShardedStepRound, step_now
@@ -88,6 +93,8 @@ class DeslocOptions:
                                    "(on the comm worker) before its average replaces the master, the local "
                                    "progress since kept; 0 = synchronous, at most param_sync_every - 1",
                                    minimum=0)
+    inner_optimizer: str = option("adamw", "the local step: 'adamw', or 'muon' (hidden matrices orthogonalised, "
+                                  "the rest AdamW; needs shard_group_size 1)", choices=("adamw", "muon"))
 
 
 class ParamAverage(Round):
@@ -312,6 +319,10 @@ class Desloc(Mode):
             raise LowCommConfigError(f"lowcomm.desloc.param_sync_delay: got {o.param_sync_delay}; at most "
                                      f"param_sync_every - 1 ({o.param_sync_every - 1}): one parameter sync "
                                      f"in flight at a time")
+        if o.inner_optimizer == "muon" and cfg.shard_group_size != 1:
+            raise LowCommConfigError(f"lowcomm.desloc.inner_optimizer: 'muon' orthogonalises whole matrices, so "
+                                     f"each must lie on one rank; set lowcomm.shard_group_size to 1 (got "
+                                     f"{cfg.shard_group_size}) or use 'adamw'")
         if o.sync_topk == 0:
             for key in ("sync_chunk", "sync_values"):
                 if key in section:
@@ -326,7 +337,10 @@ class Desloc(Mode):
 
     def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
         super().__init__(ctx, options)
-        self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
+        if options.inner_optimizer == "muon":
+            self.adamw = ShardMuon(ctx.flat.layout, ctx.flat.buffer, muon_matrices(ctx.flat, ctx.modules))
+        else:
+            self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
         self.syncs = ReplicaSyncs(options, self.adamw.master, ctx.worker)
         # The local step runs on the training thread; the comm worker (param_sync_delay > 0) is
         # the streamed syncs' alone, so a sync in flight never queues a step behind it.
