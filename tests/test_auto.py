@@ -265,3 +265,60 @@ def test_a_save_before_the_choice_is_refused_before_anything_is_written(tmp_path
     for message, written in run_ranks(_save_before_choosing, 2, str(tmp_path)):
         assert message is not None and "before the first training micro-batch" in message
         assert written == []  # no tag, no latest
+
+
+def _save_two_replicas(rank, world, save_dir):
+    engine = workers.build_engine(workers.config("desloc", shard_group_size=2, desloc={"param_sync_every": 4}))
+    workers.train(engine, 3, rank=rank)  # mid-period: the two replicas differ
+    engine.save_checkpoint(save_dir)
+    return engine.optimizer.master_weights()
+
+
+def _resume_at_another_world(rank, world, save_dir):
+    engine = workers.build_engine(workers.config("automatic"), seed=123)
+    engine.load_checkpoint(save_dir)
+    master = engine.optimizer.master_weights()
+    losses = workers.train(engine, 1, start=3, rank=rank)
+    return dict(chosen=engine.comm_stats()["automatic"], master=master, losses=losses)
+
+
+@pytest.mark.integration
+def test_auto_resumes_another_worlds_checkpoint_in_a_layout_that_divides_it(tmp_path):
+    """A desloc checkpoint of 2 replicas of 2 ranks, resumed by "automatic" on 3 ranks: 2 does not
+    divide 3, so it runs desloc with shard groups of gcd(2, 3) = 1, every replica starting from
+    the mean of the two saved ones."""
+    saved = run_ranks(_save_two_replicas, 4, str(tmp_path))
+    assert not torch.equal(saved[0], saved[2])
+    mean = (saved[0] + saved[2]) / 2
+    for r in run_ranks(_resume_at_another_world, 3, str(tmp_path)):
+        assert (r["chosen"]["mode"], r["chosen"]["shard_group_size"]) == ("desloc", 1)
+        torch.testing.assert_close(r["master"], mean, rtol=0, atol=1e-7)
+        assert math.isfinite(r["losses"][0])
+
+
+def _forward_outside_the_engine(rank, world):
+    import time
+
+    engine = workers.build_engine(workers.config("automatic"))
+    gas = engine.gradient_accumulation_steps()
+    losses, backward_s = [], None
+    for j in range(2 * gas):
+        x = workers.batch(j // gas, j % gas, rank).to(engine.device)
+        loss = engine.module(x, labels=x).loss  # not engine(x): the engine never sees the forward pass
+        t0 = time.perf_counter()
+        engine.backward(loss)
+        if backward_s is None:
+            backward_s = time.perf_counter() - t0
+        engine.step()
+        losses.append(loss.item())
+    return dict(step_s=engine.optimizer.measured.step_s[rank], bound=1.5 * backward_s * gas,
+                mode=engine.optimizer.mode_name, losses=losses)
+
+
+@pytest.mark.integration
+def test_auto_times_a_loop_that_runs_its_forward_outside_the_engine():
+    """With no forward pass through the engine, the first micro-batch is timed from its backward
+    pass (a forward is about half a backward: 1.5× the backward), and the run goes on."""
+    for r in run_ranks(_forward_outside_the_engine, 2):
+        assert 0 < r["step_s"] <= r["bound"]
+        assert r["mode"] != "automatic" and all(math.isfinite(v) for v in r["losses"])

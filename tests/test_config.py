@@ -96,8 +96,6 @@ BAD = [
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"param_sync_every": 4,
                                                                                 "param_sync_delay": 4}),
      "lowcomm.desloc.param_sync_delay", "at most param_sync_every - 1 (3)"),
-    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=2, desloc={"inner_optimizer": "muon"}),
-     "lowcomm.desloc.inner_optimizer", "set lowcomm.shard_group_size to 1 (got 2)"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"inner_optimizer": "lion"}),
      "lowcomm.desloc.inner_optimizer", "muon"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"outer_momentum": 1.0}),

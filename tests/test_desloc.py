@@ -100,10 +100,11 @@ def newton_schulz5(u):
     return x.T if tall else x
 
 
-def local_muon(world, steps, k, cfg):
-    """Each worker steps its hidden matrices with Muon (momentum 0.95, Nesterov, update scaled by
-    0.2·√max(A, B), decoupled weight decay, Moonlight's form) and the rest (embeddings, vectors)
-    with torch's AdamW, on its own data; every k steps θ, the momenta and v are averaged."""
+def local_muon(world, steps, k, cfg, s=1):
+    """Each replica of ``s`` ranks (its gradient the mean of its ranks') steps its hidden matrices
+    with Muon (momentum 0.95, Nesterov, update scaled by 0.2·√max(A, B), decoupled weight decay,
+    Moonlight's form) and the rest (embeddings, vectors) with torch's AdamW; every k steps θ, the
+    momenta and v are averaged over the replicas. Returns each replica's parameters."""
     torch.set_num_threads(1)
     hp, gas, clip = cfg["optimizer"]["params"], cfg["gradient_accumulation_steps"], cfg["gradient_clipping"]
     lr, wd = hp["lr"], hp["weight_decay"]
@@ -112,7 +113,7 @@ def local_muon(world, steps, k, cfg):
     embeddings = {id(model.transformer.wte.weight), id(model.transformer.wpe.weight)}
     is_matrix = [p.dim() == 2 and id(p) not in embeddings for p in params]
     replicas = []
-    for _ in range(world):
+    for _ in range(world // s):
         theta = [torch.nn.Parameter(p.detach().clone()) for p in params]
         adam = torch.optim.AdamW([t for t, mat in zip(theta, is_matrix) if not mat], lr=lr, betas=tuple(hp["betas"]),
                                  eps=hp["eps"], weight_decay=wd)
@@ -123,15 +124,19 @@ def local_muon(world, steps, k, cfg):
             with torch.no_grad():
                 for p, t in zip(params, theta):
                     p.copy_(t)
-            model.zero_grad()
-            for micro in range(gas):
-                x = workers.batch(step, micro, i)
-                (model(x, labels=x).loss / gas).backward()
-            norm = torch.cat([p.grad.flatten() for p in params]).double().norm().item()
+            grads = [torch.zeros_like(p) for p in params]
+            for rank in range(i * s, (i + 1) * s):
+                model.zero_grad()
+                for micro in range(gas):
+                    x = workers.batch(step, micro, rank)
+                    (model(x, labels=x).loss / gas).backward()
+                for acc, p in zip(grads, params):
+                    acc += p.grad / s
+            norm = torch.cat([g.flatten() for g in grads]).double().norm().item()
             factor = (norm + 1e-6) / clip
             with torch.no_grad():
-                for p, t, m, mat in zip(params, theta, momenta, is_matrix):
-                    g = p.grad / factor if factor > 1 else p.grad.clone()
+                for g, t, m, mat in zip(grads, theta, momenta, is_matrix):
+                    g = g / factor if factor > 1 else g
                     if not mat:
                         t.grad = g
                         continue
@@ -144,29 +149,59 @@ def local_muon(world, steps, k, cfg):
                 adam_states = [[r[1].state[t] for t, mat in zip(r[0], is_matrix) if not mat] for r in replicas]
                 for j in range(len(adam_states[0])):
                     for key in ("exp_avg", "exp_avg_sq"):
-                        mean = sum(s[j][key] for s in adam_states) / world
-                        for s in adam_states:
-                            s[j][key].copy_(mean)
+                        mean = sum(st[j][key] for st in adam_states) / len(replicas)
+                        for st in adam_states:
+                            st[j][key].copy_(mean)
                 for j, mat in enumerate(is_matrix):
-                    mean = sum(r[0][j].detach() for r in replicas) / world
+                    mean = sum(r[0][j].detach() for r in replicas) / len(replicas)
                     for r in replicas:
                         r[0][j].copy_(mean)
                     if mat:
-                        mean = sum(r[2][j] for r in replicas) / world
+                        mean = sum(r[2][j] for r in replicas) / len(replicas)
                         for r in replicas:
                             r[2][j].copy_(mean)
-    return torch.cat([t.detach().flatten() for t in replicas[0][0]])
+    return [torch.cat([t.detach().flatten() for t in r[0]]) for r in replicas]
 
 
-def test_muon_inner_step_is_local_muon():
+def _muon_and_adamw(rank, world, cfg, steps):
+    out = _train(rank, world, cfg, steps)
+    adamw = {**cfg, "lowcomm": {**cfg["lowcomm"], "desloc": {**cfg["lowcomm"]["desloc"], "inner_optimizer": "adamw"}}}
+    out["adamw_stats"] = _train(rank, world, adamw, steps)["stats"]
+    return out
+
+
+@pytest.mark.parametrize("world,s,k", [(2, 1, 3), (4, 2, 4)], ids=["replica-per-rank", "sharded"])
+def test_muon_inner_step_is_local_muon(world, s, k):
     """``inner_optimizer: "muon"`` against a reference written from Muon's equations: the hidden
-    matrices orthogonalised, embeddings and vectors AdamW, all three states averaged every k."""
-    k, steps = 3, 6
-    cfg = desloc_config(1, param_sync_every=k, momentum_sync_every=k, variance_sync_every=k, inner_optimizer="muon")
-    r0, r1 = run_ranks(_train, 2, cfg, steps)
-    assert torch.equal(r0["master"], r1["master"])  # synced at step 6
-    ref = local_muon(2, steps, k, cfg)
-    torch.testing.assert_close(r0["master"][:ref.numel()], ref, rtol=1e-5, atol=1e-5)
-    # not the AdamW inner step
-    assert (r0["master"][:ref.numel()] - local_adam(2, steps, k, cfg)).abs().max() > 1e-3
-
+    matrices orthogonalised, embeddings and vectors AdamW, all three states averaged every k; over
+    shard groups of 2 the matrix a shard boundary cuts is made whole with one all-reduce of it per
+    step (bytes: the formula), and the result is the unsharded one."""
+    steps = 6
+    cfg = desloc_config(s, param_sync_every=k, momentum_sync_every=k, variance_sync_every=k, inner_optimizer="muon")
+    results = run_ranks(_muon_and_adamw, world, cfg, steps)
+    refs = local_muon(world, steps, k, cfg, s)
+    n = refs[0].numel()
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["master"][:n], refs[rank // s], rtol=1e-5, atol=1e-5)
+    if k == 3:  # synced at step 6
+        assert torch.equal(results[0]["master"], results[-1]["master"])
+        # not the AdamW inner step
+        assert (results[0]["master"][:n] - local_adam(world, steps, k, cfg)).abs().max() > 1e-3
+    else:  # mid-period: the replicas differ
+        assert not torch.equal(results[0]["master"], results[-1]["master"])
+    sent = {key: r["stats"]["ops"].get("shard.all_reduce", {}).get("bytes_sent", 0)
+            for key, r in (("muon", results[0]), ("adamw", {"stats": results[0]["adamw_stats"]}))}
+    model = workers.tiny_gpt2(0)
+    embeddings = {id(model.transformer.wte.weight), id(model.transformer.wpe.weight)}
+    shard, offset, cut = results[0]["shard"], 0, 0
+    for p in model.parameters():
+        if p.dim() == 2 and id(p) not in embeddings and offset // shard != (offset + p.numel() - 1) // shard:
+            cut += p.numel()
+        offset += p.numel()
+    assert (s == 1) == (cut == 0)
+    assert sent["muon"] - sent["adamw"] == steps * 2 * (s - 1) / s * 4 * cut
+    if s == 1:  # a second-moment sync sends the AdamW part alone (the matrices' is zero)
+        hidden = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+        numel = sum(p.numel() for p in model.parameters())
+        replica = results[0]["stats"]["ops"]["replica.all_reduce"]["bytes_sent"]
+        assert replica == steps // k * 2 * (world - 1) / world * 4 * (2 * shard + numel - hidden)

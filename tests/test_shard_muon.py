@@ -1,5 +1,5 @@
-"""Which parameters Muon steps: whole hidden matrices, the embeddings and the head left to AdamW
-(its update against the equations: test_desloc.py)."""
+"""Which parameters Muon steps: the hidden matrices, the embeddings and the head left to AdamW,
+and which matrices a shard boundary cuts (its update against the equations: test_desloc.py)."""
 import pytest
 
 import workers
@@ -7,7 +7,7 @@ import workers
 pytestmark = pytest.mark.unit
 
 
-def test_muon_needs_whole_matrices_and_the_model():
+def test_muon_takes_the_hidden_matrices_and_knows_which_are_cut():
     from ds_lowcomm.shard.flat import FlatParams
     from ds_lowcomm.shard.muon import muon_matrices
 
@@ -15,10 +15,14 @@ def test_muon_needs_whole_matrices_and_the_model():
     whole = FlatParams([{"params": list(model.parameters())}], world=1, rank=0)
     found = muon_matrices(whole, list(model.modules()))
     # 4 per block (c_attn, attn.c_proj, c_fc, mlp.c_proj); wte (tied head) and wpe left to AdamW
-    assert [(r, c) for _, r, c, _ in found] == [(32, 96), (32, 32), (32, 128), (128, 32)] * 2
+    assert [(m.rows, m.cols) for m in found] == [(32, 96), (32, 32), (32, 128), (128, 32)] * 2
+    assert not any(m.cut for m in found)
     with pytest.raises(ValueError, match="model's modules"):
         muon_matrices(whole, [])
+
     model = workers.tiny_gpt2(0)
-    halves = FlatParams([{"params": list(model.parameters())}], world=2, rank=0)
-    with pytest.raises(ValueError, match="straddles a shard boundary"):
-        muon_matrices(halves, list(model.modules()))
+    params = list(model.parameters())
+    halves = FlatParams([{"params": params}], world=2, rank=0)
+    boundary = halves.layout.shard_size
+    cut = [m for m in muon_matrices(halves, list(model.modules())) if m.cut]
+    assert len(cut) == 1 and cut[0].start < boundary < cut[0].end

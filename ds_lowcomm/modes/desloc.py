@@ -33,8 +33,9 @@ for dense syncs, the buffer sent (4/S more); a save with a sync in flight waits 
 its result and the launch master, so a resume applies it at the same step.
 ``inner_optimizer`` "muon" makes the local step Muon (:mod:`ds_lowcomm.shard.muon`) on the hidden
 matrices, AdamW on the rest; its momentum is ``exp_avg`` and is averaged on Ku like Adam's (the
-matrices' ``exp_avg_sq`` stays zero and is averaged all the same: one state layout for both).
-Newton–Schulz needs whole matrices, so it needs ``shard_group_size`` 1.
+matrices' ``exp_avg_sq`` stays zero and is not sent: a second-moment sync carries the AdamW part
+of the shard only, 2(R−1)/R · 4 bytes per element of it). A matrix cut by a shard boundary costs
+one all-reduce of it per step inside the shard group.
 Replicas differ between syncs: each rank saves its replica's shards of θ, m and v, and a resume
 with the same layout gives every replica its own; at another world size or ``shard_group_size``
 every replica starts from the average of the saved replicas (a sync of all three).
@@ -94,7 +95,7 @@ class DeslocOptions:
                                    "progress since kept; 0 = synchronous, at most param_sync_every - 1",
                                    minimum=0)
     inner_optimizer: str = option("adamw", "the local step: 'adamw', or 'muon' (hidden matrices orthogonalised, "
-                                  "the rest AdamW; needs shard_group_size 1)", choices=("adamw", "muon"))
+                                  "the rest AdamW)", choices=("adamw", "muon"))
 
 
 class ParamAverage(Round):
@@ -195,6 +196,9 @@ class ReplicaSyncs:
             self.sync_compressed(adamw.master, replica)
         for k in due:
             state = getattr(adamw, k)
+            if k == "exp_avg_sq" and isinstance(adamw, ShardMuon):  # zero on Muon's matrices: not sent
+                average_ranges(replica, state, [(a, b) for _, a, b in adamw.adam_ranges])
+                continue
             replica.all_reduce(state)
             state.mul_(1.0 / replica.world)
         if self.outer and "master" in due:
@@ -273,6 +277,26 @@ class ReplicaSyncs:
             self.outer_step(mean.view(-1)[: b - a], slice(a, b))
 
 
+def average_ranges(replica, state: torch.Tensor, ranges) -> None:
+    """Average the elements ``ranges`` (``(start, end)`` pairs, the same on every rank of
+    ``replica``) of ``state`` over the replica group, packed into one all-reduce of 4 bytes per
+    element; the rest of ``state`` is left as it is."""
+    total = sum(b - a for a, b in ranges)
+    if total == 0:
+        return
+    packed = temporary(total, state.dtype, state.device)
+    at = 0
+    for a, b in ranges:
+        packed[at:at + b - a].copy_(state[a:b])
+        at += b - a
+    replica.all_reduce(packed)
+    packed.mul_(1.0 / replica.world)
+    at = 0
+    for a, b in ranges:
+        state[a:b].copy_(packed[at:at + b - a])
+        at += b - a
+
+
 def saved_sync_result(keys) -> str:
     """The key of a saved streamed sync's result: the anchor where the run had one."""
     return "anchor" if "anchor" in keys else "sync_result"
@@ -319,10 +343,6 @@ class Desloc(Mode):
             raise LowCommConfigError(f"lowcomm.desloc.param_sync_delay: got {o.param_sync_delay}; at most "
                                      f"param_sync_every - 1 ({o.param_sync_every - 1}): one parameter sync "
                                      f"in flight at a time")
-        if o.inner_optimizer == "muon" and cfg.shard_group_size != 1:
-            raise LowCommConfigError(f"lowcomm.desloc.inner_optimizer: 'muon' orthogonalises whole matrices, so "
-                                     f"each must lie on one rank; set lowcomm.shard_group_size to 1 (got "
-                                     f"{cfg.shard_group_size}) or use 'adamw'")
         if o.sync_topk == 0:
             for key in ("sync_chunk", "sync_values"):
                 if key in section:
@@ -338,7 +358,8 @@ class Desloc(Mode):
     def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
         super().__init__(ctx, options)
         if options.inner_optimizer == "muon":
-            self.adamw = ShardMuon(ctx.flat.layout, ctx.flat.buffer, muon_matrices(ctx.flat, ctx.modules))
+            self.adamw = ShardMuon(ctx.flat.layout, ctx.flat.buffer, muon_matrices(ctx.flat, ctx.modules),
+                                   ctx.topology.shard)
         else:
             self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
         self.syncs = ReplicaSyncs(options, self.adamw.master, ctx.worker)

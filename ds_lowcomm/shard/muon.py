@@ -7,20 +7,27 @@ gradient G, momentum M ← β·M + (1 − β)·G, Nesterov U = (1 − β)·G + �
 
 where NS₅ is five Newton–Schulz iterations towards U's orthogonal factor and 0.2·√max(A, B) gives
 the update the RMS of an AdamW update, so the param group's own ``lr`` and ``weight_decay`` drive it
-(no second learning rate). Embeddings (an ``nn.Embedding``'s weight, and a head tied to one),
-vectors and scalars keep AdamW (:class:`~ds_lowcomm.shard.adamw.ShardAdamW`'s kernel). The
-momentum lives in ``exp_avg``; a matrix's ``exp_avg_sq`` stays zero.
+(no second learning rate). Embeddings (an ``nn.Embedding``'s weight, and a Hugging Face model's
+output head), vectors and scalars keep AdamW (:class:`~ds_lowcomm.shard.adamw.ShardAdamW`'s
+kernel). The momentum lives in ``exp_avg``; a matrix's ``exp_avg_sq`` stays zero.
 
-Newton–Schulz needs a whole matrix, so every matrix Muon steps must lie inside one shard.
+Newton–Schulz needs a whole matrix. M and U are elementwise, so each rank computes them on its own
+shard; a matrix that a shard boundary cuts is made whole with one all-reduce over the shard group
+(each rank's part in place, zeros elsewhere: 2(W−1)/W · 4 bytes per element of the matrix), and
+every rank holding a part runs NS₅ on it and keeps its part of the result. At most W − 1 matrices
+are cut (one per boundary, fewer where a matrix spans several), so a step sends at most the W − 1
+largest matrices, whatever the model's size; the others need nothing.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
 
+from ds_lowcomm.memory import temporary
 from ds_lowcomm.shard.adamw import ShardAdamW
 from ds_lowcomm.shard.flat import FlatParams
 
@@ -43,11 +50,26 @@ def newton_schulz(u: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     return x.mT if tall else x
 
 
-def muon_matrices(flat: FlatParams, modules: Sequence[torch.nn.Module]) -> List[Tuple[int, int, int, int]]:
-    """``(start, rows, cols, group)`` in shard coordinates of each hidden matrix in this rank's
-    shard: 2-D, not an ``nn.Embedding``'s weight nor the output head a Hugging Face model names
+@dataclass(frozen=True)
+class Matrix:
+    """A hidden matrix in the flat buffer: elements ``[start, end)``, ``rows × cols``, of param
+    group ``group``; ``cut``: a shard boundary falls inside it."""
+    start: int
+    rows: int
+    cols: int
+    group: int
+    cut: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.cols
+
+
+def muon_matrices(flat: FlatParams, modules: Sequence[torch.nn.Module]) -> List[Matrix]:
+    """Every hidden matrix of the model, in flat order (the same list on every rank): 2-D, not an
+    ``nn.Embedding``'s weight nor the output head a Hugging Face model names
     (``get_output_embeddings``); ``modules`` is the model's, root first. Raises ValueError when
-    there are no modules (embeddings unknown) or a matrix straddles a shard boundary."""
+    there are no modules (the embeddings would be unknown)."""
     if not modules:
         raise ValueError("Muon needs the model's modules to leave its embeddings to AdamW; build the "
                          "optimizer through deepspeed.initialize(model=...)")
@@ -56,35 +78,36 @@ def muon_matrices(flat: FlatParams, modules: Sequence[torch.nn.Module]) -> List[
     if head is not None:
         embeddings.add(id(head.weight))
     layout = flat.layout
-    lo, hi = layout.shard_start, layout.shard_start + layout.shard_size
     out = []
     for p in flat.params:
         if p.dim() != 2 or id(p) in embeddings:
             continue
         start = flat.offsets[id(p)]
         end = start + p.numel()
-        if end <= lo or start >= hi:
-            continue
-        if start < lo or end > hi:
-            raise ValueError(f"a {tuple(p.shape)} matrix straddles a shard boundary: Muon needs whole matrices "
-                             f"in one shard (shard_group_size 1)")
         group = next(g for g, (s, e) in enumerate(layout.group_ranges) if s <= start < e)
-        out.append((start - lo, p.shape[0], p.shape[1], group))
+        cut = start // layout.shard_size != (end - 1) // layout.shard_size
+        out.append(Matrix(start, p.shape[0], p.shape[1], group, cut))
     return out
 
 
 class ShardMuon(ShardAdamW):
-    """:class:`ShardAdamW`'s state and interface; ``matrices`` (from :func:`muon_matrices`) get
-    Muon's update, the rest of the shard AdamW's."""
+    """:class:`ShardAdamW`'s state and interface; ``matrices`` (:func:`muon_matrices`) get Muon's
+    update, the rest of the shard AdamW's. ``comm``: the shard group's collectives, which make
+    the cut matrices whole."""
 
-    def __init__(self, layout, initial_params: torch.Tensor, matrices) -> None:
+    def __init__(self, layout, initial_params: torch.Tensor, matrices: Sequence[Matrix], comm) -> None:
         super().__init__(layout, initial_params)
-        self.matrices = list(matrices)
-        self.adam_ranges = self._complement()
+        self.comm = comm
+        lo, hi = layout.shard_start, layout.shard_start + layout.shard_size
+        #: the matrices this step touches: those overlapping the shard, and every cut one (its
+        #: all-reduce is collective)
+        self.matrices = [m for m in matrices if m.cut or (lo <= m.start and m.end <= hi)]
+        self.adam_ranges = self._complement(lo, hi)
 
-    def _complement(self) -> List[Tuple[int, int, int]]:
-        """``(group, start, end)``: the parts of the shard's segments outside every matrix."""
-        cuts = sorted((s, s + r * c) for s, r, c, _ in self.matrices)
+    def _complement(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+        """``(group, start, end)`` in shard coordinates: the shard's segments outside every matrix."""
+        cuts = sorted((max(m.start, lo) - lo, min(m.end, hi) - lo) for m in self.matrices
+                      if m.start < hi and m.end > lo)
         out = []
         for seg in self.segments:
             a = seg.start
@@ -99,7 +122,8 @@ class ShardMuon(ShardAdamW):
         return out
 
     def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0, chunk: int = 0) -> None:
-        """One update in place from the shard gradient ``factor · grad`` (any float dtype)."""
+        """One update in place from the shard gradient ``factor · grad`` (any float dtype).
+        Collective over the shard group where a matrix is cut (module doc for the bytes)."""
         step = self.step_count
         for group, a, b in self.adam_ranges:
             hp = param_groups[group]
@@ -111,16 +135,30 @@ class ShardMuon(ShardAdamW):
                          fused=self._fused, decoupled_weight_decay=True, amsgrad=False,
                          beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
                          eps=hp["eps"], maximize=False)
-        for s, rows, cols, group in self.matrices:
-            hp = param_groups[group]
-            sl = slice(s, s + rows * cols)
-            g = grad[sl].to(torch.float32).mul(factor).view(rows, cols)
-            m = self.exp_avg[sl].view(rows, cols)
-            m.lerp_(g, 1 - MUON_MOMENTUM)
-            u = newton_schulz(g.lerp_(m, MUON_MOMENTUM))
-            w = self.master[sl].view(rows, cols)
-            w.mul_(1 - hp["lr"] * hp["weight_decay"]).add_(u, alpha=-hp["lr"] * RMS_MATCH * math.sqrt(max(rows, cols)))
+        lo = self.layout.shard_start
+        for m in self.matrices:
+            a, b = max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)  # the part in this shard
+            u = self._nesterov(grad, factor, a, b) if a < b else None
+            if m.cut:
+                whole = temporary(m.end - m.start, torch.float32, self.master.device).zero_()
+                if u is not None:
+                    whole[a + lo - m.start: b + lo - m.start].copy_(u)
+                self.comm.all_reduce(whole)
+                if u is None:
+                    continue
+                u = newton_schulz(whole.view(m.rows, m.cols)).view(-1)[a + lo - m.start: b + lo - m.start]
+            else:
+                u = newton_schulz(u.view(m.rows, m.cols)).view(-1)
+            hp = param_groups[m.group]
+            self.master[a:b].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(
+                u, alpha=-hp["lr"] * RMS_MATCH * math.sqrt(max(m.rows, m.cols)))
         self.step_count = step + 1
+
+    def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int) -> torch.Tensor:
+        """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; returns U = (1 − β)·G + β·M (new)."""
+        g = grad[a:b].to(torch.float32).mul(factor)
+        self.exp_avg[a:b].lerp_(g, 1 - MUON_MOMENTUM)
+        return g.lerp_(self.exp_avg[a:b], MUON_MOMENTUM)
 
     def estimate(self, *args, **kwargs) -> None:
         raise NotImplementedError("ACCO's estimate is AdamW's; Muon is desloc's inner step only")
