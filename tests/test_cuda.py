@@ -26,6 +26,8 @@ MODES = {
     "demo-overlap": {"shard_group_size": 1, "demo": {"overlap": True, "topk": 8, "chunk": 32}},
     "desloc": {"shard_group_size": 1, "desloc": {"param_sync_every": 2, "momentum_sync_every": 4,
                                                   "variance_sync_every": 8}},
+    # Newton–Schulz in bf16 on CUDA
+    "desloc-muon": {"shard_group_size": 1, "desloc": {"param_sync_every": 2, "inner_optimizer": "muon"}},
 }
 
 
