@@ -543,6 +543,16 @@ class LowCommOptimizer(torch.optim.Optimizer):
                 if hasattr(self.loss_scaler, k):
                     setattr(self.loss_scaler, k, v)
 
+    def check_saved(self, saved: dict) -> None:
+        """Raise :class:`~ds_lowcomm.checkpoint.CheckpointError` where this run cannot continue the
+        optimizer state of the checkpoint whose metadata is ``saved`` (another mode, or what the
+        mode's :meth:`~ds_lowcomm.modes.base.Mode.check_saved` refuses). No communication."""
+        if saved["mode"] != self.mode.name:
+            raise CheckpointError(f"checkpoint was written in mode {saved['mode']!r}, this run "
+                                  f"uses {self.mode.name!r}; set lowcomm.mode to "
+                                  f"{saved['mode']!r} or load with load_optimizer_states=False")
+        self.mode.check_saved(saved)
+
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True, **_) -> None:
         """Restore a :meth:`state_dict`, and the flat state it describes, written at any world size.
 
@@ -562,10 +572,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
             if self.mode is not None:  # else "automatic" starts its chosen mode from the loaded weights
                 self.mode.restore(None, shards, None)
             return
-        if state_dict["mode"] != self.mode.name:
-            raise CheckpointError(f"checkpoint was written in mode {state_dict['mode']!r}, this run "
-                                  f"uses {self.mode.name!r}; set lowcomm.mode to "
-                                  f"{state_dict['mode']!r} or load with load_optimizer_states=False")
+        self.check_saved(state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
         self.steps = self.steps_at_start = state_dict["steps"]

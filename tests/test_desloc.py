@@ -205,3 +205,33 @@ def test_muon_inner_step_is_local_muon(world, s, k):
         numel = sum(p.numel() for p in model.parameters())
         replica = results[0]["stats"]["ops"]["replica.all_reduce"]["bytes_sent"]
         assert replica == steps // k * 2 * (world - 1) / world * 4 * (2 * shard + numel - hidden)
+
+
+def _switch_inner_optimizer(rank, world, save_dir):
+    from ds_lowcomm.checkpoint import CheckpointError
+
+    muon = desloc_config(1, param_sync_every=2, inner_optimizer="muon")
+    engine = workers.build_engine(muon)
+    workers.train(engine, 1, rank=rank)
+    engine.save_checkpoint(save_dir)
+    other = workers.build_engine(desloc_config(1, param_sync_every=2))
+    try:
+        other.load_checkpoint(save_dir)
+    except CheckpointError as err:
+        refused = str(err)
+    else:
+        refused = None
+    weights = workers.build_engine(desloc_config(1, param_sync_every=2))
+    weights.load_checkpoint(save_dir, load_optimizer_states=False)
+    return refused, workers.params_digest(engine), workers.params_digest(weights)
+
+
+def test_a_muon_checkpoint_is_not_resumed_by_adamw(tmp_path):
+    """Muon's momentum is not Adam's first moment and its matrices have no second moment (Adam
+    would divide by zero): resuming with the other inner optimizer is refused with the way out,
+    and the weights (replica 0's) still load."""
+    results = run_ranks(_switch_inner_optimizer, 2, str(tmp_path))
+    replica0 = results[0][1]
+    for refused, _, loaded in results:
+        assert refused is not None and "set lowcomm.desloc.inner_optimizer to 'muon'" in refused
+        assert loaded == replica0

@@ -256,6 +256,8 @@ class Checkpointer:
         if opt.mode is None and load_optimizer_states:
             # "mode": "automatic" before it has chosen: it resumes in the checkpoint's mode and layout
             opt.adopt(upgrade_meta(saved))
+        if load_optimizer_states:
+            _agreed(lambda: opt.check_saved(upgrade_meta(saved)))
         shards = _agreed(lambda: self._read(tag_dir, load_optimizer_states, saved))
         opt.checkpoint_shards = shards
         try:

@@ -113,6 +113,11 @@ class Mode(abc.ABC):
     def state(self) -> ModeState:
         """The optimizer state to save."""
 
+    def check_saved(self, meta: dict) -> None:
+        """Raise :class:`~ds_lowcomm.checkpoint.CheckpointError` where this mode, as configured,
+        cannot continue the state saved with ``meta`` (:meth:`state`'s, merged into the
+        optimizer's metadata): read before anything is loaded. No communication."""
+
     @abc.abstractmethod
     def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
         """Take a checkpoint's state back, from any layout: ``meta`` as :meth:`state` saved it

@@ -405,13 +405,23 @@ class Desloc(Mode):
             sharded["outer_buf"] = syncs.outer_buf
         if syncs.codec is not None:  # this replica's own: what its syncs have not sent yet
             sharded["sync_error"] = syncs.error[: a.master.numel()]
-        meta = {"rounds": syncs.rounds}
+        meta = {"rounds": syncs.rounds, "inner_optimizer": self.options.inner_optimizer}
         if syncs.ticket is not None:  # a streamed sync run (settle) and not yet applied
             sharded["sync_launched"] = syncs.launched
             if not syncs.anchored:  # (else the result is the anchor, saved above)
                 sharded["sync_result"] = syncs.wire
             meta["sync_finish_at"] = syncs.finish_at
         return ModeState(meta=meta, sharded=sharded, rank={"step": a.step_count})
+
+    def check_saved(self, meta: dict) -> None:
+        """The inner optimizer must be the one the checkpoint was written with: Muon's momentum is
+        not Adam's first moment, and its matrices have no second moment (Adam would divide by zero)."""
+        saved = meta.get("inner_optimizer", "adamw")  # (not recorded before Muon existed)
+        if saved != self.options.inner_optimizer:
+            raise CheckpointError(f"this desloc checkpoint was written with inner_optimizer {saved!r}, whose state "
+                                  f"{self.options.inner_optimizer!r} cannot continue; set "
+                                  f"lowcomm.desloc.inner_optimizer to {saved!r}, or load with "
+                                  f"load_optimizer_states=False to keep the weights")
 
     def restore(self, meta: Optional[dict], shards: ShardReader, rank: Optional[dict]) -> None:
         """Saved with this layout: each replica its own state. At another world size or

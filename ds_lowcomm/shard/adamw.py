@@ -42,17 +42,25 @@ class ShardAdamW:
         place) is converted to fp32 and scaled ``chunk`` elements at a time, so the update never
         holds an fp32 copy of the whole shard. AdamW is elementwise: the result is the same.
         """
+        self.adamw_ranges(grad, param_groups, factor, [(seg.group, seg.start, seg.end) for seg in self.segments],
+                          chunk)
+        self.step_count += 1
+
+    def adamw_ranges(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float, ranges,
+                     chunk: int = CHUNK_BYTES // 4) -> None:
+        """The AdamW update of :meth:`step` on the shard elements of ``ranges`` (``(group, start,
+        end)`` each) alone, at the current step count, which it leaves as it is."""
         if grad.dtype == torch.float32 and factor != 1.0:
             raise ValueError("scale an fp32 gradient in place before the step")
         step = self.step_count
         lowp = grad.dtype != torch.float32
         scratch = temporary(min(chunk, grad.numel()), torch.float32, grad.device) if lowp else None
-        for seg in self.segments:
-            hp = param_groups[seg.group]
+        for group, start, end in ranges:
+            hp = param_groups[group]
             beta1, beta2 = hp["betas"]
-            size = chunk if lowp else seg.end - seg.start
-            for a in range(seg.start, seg.end, size):
-                sl = slice(a, min(a + size, seg.end))
+            size = chunk if lowp else end - start
+            for a in range(start, end, size):
+                sl = slice(a, min(a + size, end))
                 g = scratch[:sl.stop - a].copy_(grad[sl]).mul_(factor) if lowp else grad[sl]
                 # The kernel increments the step tensor before bias correction, as torch.optim
                 # does, so each call gets a fresh one: filled on the device (torch.tensor(step,
@@ -62,7 +70,6 @@ class ShardAdamW:
                              fused=self._fused, decoupled_weight_decay=True, amsgrad=False,
                              beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
                              eps=hp["eps"], maximize=False)
-        self.step_count = step + 1
 
     @torch.no_grad()
     def estimate(self, grad: torch.Tensor, param_groups: Sequence[dict], out: torch.Tensor,

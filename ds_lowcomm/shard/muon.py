@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
-from torch.optim.adam import adam as _adam_kernel
 
 from ds_lowcomm.memory import temporary
 from ds_lowcomm.shard.adamw import ShardAdamW
@@ -124,20 +123,11 @@ class ShardMuon(ShardAdamW):
                 out.append((seg.group, a, seg.end))
         return out
 
-    def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0, chunk: int = 0) -> None:
-        """One update in place from the shard gradient ``factor · grad`` (any float dtype).
+    def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0) -> None:
+        """One update in place from the shard gradient ``factor · grad`` (fp32, ``factor`` 1; or
+        2-byte sums, converted a chunk or a matrix at a time).
         Collective over the shard group where a matrix is cut (module doc for the bytes)."""
-        step = self.step_count
-        for group, a, b in self.adam_ranges:
-            hp = param_groups[group]
-            beta1, beta2 = hp["betas"]
-            g = grad[a:b].to(torch.float32).mul_(factor) if (grad.dtype != torch.float32 or factor != 1.0) \
-                else grad[a:b]
-            _adam_kernel([self.master[a:b]], [g], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [],
-                         [torch.full((), float(step), device=self.master.device)],
-                         fused=self._fused, decoupled_weight_decay=True, amsgrad=False,
-                         beta1=beta1, beta2=beta2, lr=hp["lr"], weight_decay=hp["weight_decay"],
-                         eps=hp["eps"], maximize=False)
+        self.adamw_ranges(grad, param_groups, factor, self.adam_ranges)
         lo = self.layout.shard_start
         for m in self.matrices:
             a, b = max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)  # the part in this shard
@@ -155,7 +145,7 @@ class ShardMuon(ShardAdamW):
             hp = param_groups[m.group]
             self.master[a:b].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(
                 u, alpha=-hp["lr"] * RMS_MATCH * math.sqrt(max(m.rows, m.cols)))
-        self.step_count = step + 1
+        self.step_count += 1
 
     def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int) -> torch.Tensor:
         """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; returns U = (1 − β)·G + β·M (new)."""
