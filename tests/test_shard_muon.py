@@ -26,3 +26,24 @@ def test_muon_takes_the_hidden_matrices_and_knows_which_are_cut():
     boundary = halves.layout.shard_size
     cut = [m for m in muon_matrices(halves, list(model.modules())) if m.cut]
     assert len(cut) == 1 and cut[0].start < boundary < cut[0].end
+
+
+def test_an_untied_head_stays_with_adamw():
+    """A Hugging Face model whose output head is its own matrix (not tied to the embedding): the
+    head is an embedding in Muon's sense and is left to AdamW, like the token embedding."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ds_lowcomm.shard.flat import FlatParams
+    from ds_lowcomm.shard.muon import muon_matrices
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                       tie_word_embeddings=False))
+    params = list(model.parameters())
+    assert any(p is model.lm_head.weight for p in params)  # its own parameter
+    flat = FlatParams([{"params": params}], world=1, rank=0)
+    head = flat.offsets[id(model.lm_head.weight)]
+    found = muon_matrices(flat, list(model.modules()))
+    assert [(m.rows, m.cols) for m in found] == [(32, 96), (32, 32), (32, 128), (128, 32)]
+    assert all(m.start != head for m in found)

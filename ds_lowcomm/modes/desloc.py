@@ -195,9 +195,9 @@ class ReplicaSyncs:
             due.remove("master")
             self.sync_compressed(adamw.master, replica)
         for k in due:
-            state = getattr(adamw, k)
-            if k == "exp_avg_sq" and isinstance(adamw, ShardMuon):  # zero on Muon's matrices: not sent
-                average_ranges(replica, state, [(a, b) for _, a, b in adamw.adam_ranges])
+            state, ranges = getattr(adamw, k), adamw.informative_ranges(k)
+            if ranges is not None:  # (Muon's second moment: zero on its matrices, not sent)
+                average_ranges(replica, state, ranges)
                 continue
             replica.all_reduce(state)
             state.mul_(1.0 / replica.world)

@@ -8,7 +8,7 @@ kernel (fused where the device has one) so results match ``torch.optim.AdamW`` o
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
@@ -97,6 +97,11 @@ class ShardAdamW:
                 denom = v.sqrt_().div_(bc2_sqrt).add_(eps)
                 theta = self.master[sl].mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / bc1)
                 out[sl].copy_(theta)
+
+    def informative_ranges(self, key: str) -> Optional[List[Tuple[int, int]]]:
+        """The ``(start, end)`` shard ranges where state ``key`` can differ from zero, which an
+        average across replicas must carry; None: all of it (every state of AdamW)."""
+        return None
 
     def sharded_state(self) -> dict:
         """This rank's shards, as a checkpoint keeps them (no copy, no communication)."""

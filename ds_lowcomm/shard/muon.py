@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -146,6 +146,11 @@ class ShardMuon(ShardAdamW):
             self.master[a:b].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(
                 u, alpha=-hp["lr"] * RMS_MATCH * math.sqrt(max(m.rows, m.cols)))
         self.step_count += 1
+
+    def informative_ranges(self, key: str) -> Optional[List[Tuple[int, int]]]:
+        """The matrices have no second moment (their ``exp_avg_sq`` stays zero): only the AdamW
+        ranges of it carry anything."""
+        return [(a, b) for _, a, b in self.adam_ranges] if key == "exp_avg_sq" else None
 
     def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int) -> torch.Tensor:
         """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; returns U = (1 − β)·G + β·M (new)."""
