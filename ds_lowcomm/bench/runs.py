@@ -63,7 +63,7 @@ VARIANTS = {"zero1-overlap": {"zero1": {"overlap": True}},
             # streamed parameter syncs, applied 12 steps late: about a slow-regime sync's time in
             # steps of compute, so its all-reduce hides behind them (needs param_sync_every > 12)
             "desloc-streamed": {"desloc": {"param_sync_delay": 12}},
-            # Muon as the inner step (MuLoCo, arXiv 2505.23725): an experiment, measured against AdamW
+            # Muon as the local step (as MuLoCo, arXiv 2505.23725, takes it for DiLoCo)
             "desloc-muon": {"desloc": {"inner_optimizer": "muon"}},
             # DiLoCo (arXiv 2311.08105) as its users run it: inner AdamW per replica, every H steps an
             # outer Nesterov step (lr 0.7, momentum 0.9) on the averaged parameters, moments local
