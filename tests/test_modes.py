@@ -337,13 +337,25 @@ def test_desloc_streamed_sync_and_a_moment_sync_never_cross():
 
 def _sent(u, chunk, topk, values):
     """What a replica sends of ``u`` (SparseLoCo, arXiv 2508.15706): each chunk's ``topk`` largest
-    |u| rounded to bf16, or to int8 levels of the chunk's largest picked |u|; returns that as a
-    dense ``[chunks, chunk]`` tensor (zeros elsewhere) and the picked indices."""
+    |u| rounded to bf16, or to int8 levels of the chunk's largest picked |u|, or to int2: per 16
+    chunks, t = the mean picked |u|, each picked u sent as its sign times the mean of the picked |u|
+    on its side of t (≥ t or below); returns that as a dense ``[chunks, chunk]`` tensor (zeros
+    elsewhere) and the picked indices."""
     rows = u.view(-1, chunk)
     idx = rows.abs().topk(topk, dim=1).indices
     picked = rows.gather(1, idx)
     if values == "bf16":
         v = picked.to(torch.bfloat16).float()
+    elif values == "int2":
+        v = torch.empty_like(picked)
+        for g in range(0, picked.shape[0], 16):
+            group = picked[g:g + 16].double()
+            t = group.abs().mean()
+            high = group.abs() >= t
+            hi = group.abs()[high].mean()
+            lo = group.abs()[~high].mean() if (~high).any() else t
+            sign = torch.where(group < 0, -1.0, 1.0).double()
+            v[g:g + 16] = (sign * torch.where(high, hi, lo)).float()
     else:
         scale = picked.abs().amax(dim=1, keepdim=True)
         v = (picked / scale * 127).round().clamp(-127, 127) * (scale / 127)
@@ -399,8 +411,9 @@ def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, o
     return out
 
 
-@pytest.mark.parametrize("variant", [{}, {"sync_values": "int8"}, {"outer_lr": 0.7, "outer_momentum": 0.9},
-                                     {"param_sync_delay": 1}], ids=["bf16", "int8", "nesterov", "streamed"])
+@pytest.mark.parametrize("variant", [{}, {"sync_values": "int8"}, {"sync_values": "int2"},
+                                     {"outer_lr": 0.7, "outer_momentum": 0.9}, {"param_sync_delay": 1}],
+                         ids=["bf16", "int8", "int2", "nesterov", "streamed"])
 def test_desloc_compressed_syncs_follow_the_equations(variant):
     """sync_topk: each parameter sync sends 2 of every 16 elements of u per replica and keeps the
     rest in its error buffer; the replicas meet at the same parameters after every sync."""
@@ -418,8 +431,9 @@ def test_desloc_compressed_syncs_follow_the_equations(variant):
     assert torch.equal(results[0]["after"][1], results[1]["after"][1]) is not bool(delay)
     assert not torch.equal(results[0]["after"][2], results[1]["after"][2])  # apart at step 3
     # One all-gather per sync (steps 2, 4, 6) of 7 chunks × 2 × (1-byte index + 2-byte bf16 value,
-    # or 1-byte int8 value + a 4-byte scale per chunk) per replica, (R−1)/R of the 2 payloads sent.
-    payload = 7 * 2 * 3 if values == "bf16" else 7 * 2 * 2 + 7 * 4
+    # or 1-byte int8 value + a 4-byte scale per chunk; int2: 1 byte each + one 8-byte (lo, hi) for
+    # the group of 7 chunks, padded to whole fp32 words) per replica, (R−1)/R of the 2 payloads sent.
+    payload = {"bf16": 7 * 2 * 3, "int8": 7 * 2 * 2 + 7 * 4, "int2": 24}[values]
     ops = results[0]["bytes"]
     assert "replica.all_reduce" not in ops
     assert ops["replica.all_gather"]["calls"] == 3 and ops["replica.all_gather"]["bytes_sent"] == 3 * payload
@@ -431,21 +445,27 @@ def test_sparse_codec_keeps_what_it_does_not_send():
     from ds_lowcomm.modes.sparse import ChunkTopK
 
     g = torch.Generator().manual_seed(0)
-    for values in ("bf16", "int8"):
-        for chunk, topk in ((16, 3), (300, 7)):  # 1-byte and 2-byte indices
-            codec = ChunkTopK(5 * chunk - 5, chunk, topk, values)  # the last chunk padded
-            u = torch.randn(codec.padded, generator=g) * torch.rand(codec.padded, generator=g) * 10
-            u[codec.numel:] = 0
-            error = u.clone()
-            payload = torch.zeros(codec.payload_bytes, dtype=torch.uint8)
-            codec.encode(error, payload)
-            sent, idx = _sent(u, chunk, topk, values)
-            mask = torch.zeros_like(sent, dtype=torch.bool).scatter(1, idx, True).view(-1)
-            assert torch.equal(error[~mask], u[~mask])
-            assert torch.equal(error[mask], (u - sent.view(-1))[mask])
-            mean = torch.empty(5, chunk)
-            codec.mean_into([payload, payload], 0, 5, mean)
-            assert torch.equal(mean, sent)  # (x + x) / 2 == x
+    cases = [(values, chunk, topk, chunks) for values in ("bf16", "int8")
+             for chunk, topk, chunks in ((16, 3, 5), (300, 7, 5))]  # 1-byte and 2-byte indices
+    cases += [("int2", 16, 3, 5), ("int2", 64, 5, 37)]  # one group; two whole groups and a part
+    for values, chunk, topk, chunks in cases:
+        codec = ChunkTopK(chunks * chunk - 5, chunk, topk, values)  # the last chunk padded
+        u = torch.randn(codec.padded, generator=g) * torch.rand(codec.padded, generator=g) * 10
+        u[codec.numel:] = 0
+        error = u.clone()
+        payload = torch.zeros(codec.payload_bytes, dtype=torch.uint8)
+        codec.encode(error, payload)
+        sent, idx = _sent(u, chunk, topk, values)
+        mask = torch.zeros_like(sent, dtype=torch.bool).scatter(1, idx, True).view(-1)
+        mean = torch.empty(chunks, chunk)
+        codec.mean_into([payload, payload], 0, chunks, mean)  # (x + x) / 2 == x: what was sent
+        assert torch.equal(error[~mask], u[~mask])
+        assert torch.equal(error[mask], (u - mean.view(-1))[mask])
+        if values == "int2":  # the reference's levels are fp64 means, the codec's fp32 sums
+            torch.testing.assert_close(mean, sent, rtol=1e-6, atol=0)
+            assert int((mean != 0).sum()) == chunks * topk  # no level is zero
+        else:
+            assert torch.equal(mean, sent)
 
 
 def _dct_matrix(n):

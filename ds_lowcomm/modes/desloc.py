@@ -16,8 +16,8 @@ Bytes per rank per step across replica groups, R replicas, S shard elements in f
 
 ``sync_topk`` > 0 compresses the parameter syncs (SparseLoCo-style, :mod:`ds_lowcomm.modes.sparse`):
 each replica sends the ``sync_topk`` largest entries of each ``sync_chunk``-element chunk of its
-pseudo-gradient (anchor − master, plus what earlier syncs did not send: error feedback), in bf16
-or int8, in one all-gather; every replica applies the same mean and keeps the rest in its error
+pseudo-gradient (anchor − master, plus what earlier syncs did not send: error feedback), in bf16,
+int8 or int2, in one all-gather; every replica applies the same mean and keeps the rest in its error
 buffer. The parameter term above becomes (R−1) · P / Kx, P the payload (``ChunkTopK``), about
 S·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard element (the anchor
 and the error buffer: 8/S bytes per parameter).
@@ -65,7 +65,7 @@ from ds_lowcomm.modes.base import Mode, ModeState, require_shard_group_size
 from ds_lowcomm.shard.adamw import ShardAdamW
 from ds_lowcomm.shard.muon import ShardMuon, muon_matrices
 from ds_lowcomm.memory import CHUNK_BYTES, temporary
-from ds_lowcomm.modes.sparse import MAX_CHUNK, ChunkTopK
+from ds_lowcomm.modes.sparse import INT2_MAX_CHUNK, MAX_CHUNK, VALUES, ChunkTopK
 from ds_lowcomm.shard.step import ShardedStepRound, step_now
 
 NEVER = 0  # the internal value of "never"
@@ -88,8 +88,9 @@ class DeslocOptions:
                             "stays in a per-rank error buffer); 0 = dense average", minimum=0)
     sync_chunk: int = option(64, "elements per chunk of a compressed parameter sync (indices travel in "
                              "1 byte up to 256, else 2)", minimum=1)
-    sync_values: str = option("bf16", "values of a compressed parameter sync: 'bf16' (2 bytes) or 'int8' "
-                              "(1 byte, one fp32 scale per chunk)", choices=("bf16", "int8"))
+    sync_values: str = option("bf16", "values of a compressed parameter sync: 'bf16' (2 bytes), 'int8' "
+                              "(1 byte, one fp32 scale per chunk) or 'int2' (sign and one of two "
+                              "magnitudes, in the index's byte; sync_chunk <= 64)", choices=VALUES)
     param_sync_delay: int = option(0, "streamed parameter syncs: local steps a sync's all-reduce runs behind "
                                    "(on the comm worker) before its average replaces the master, the local "
                                    "progress since kept; 0 = synchronous, at most param_sync_every - 1",
@@ -351,6 +352,10 @@ class Desloc(Mode):
             return
         if o.sync_chunk > MAX_CHUNK:
             raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk}; at most {MAX_CHUNK}")
+        if o.sync_values == "int2" and o.sync_chunk > INT2_MAX_CHUNK:
+            raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk} with sync_values 'int2', "
+                                     f"which packs a 6-bit index into each value's byte; set sync_chunk to at "
+                                     f"most {INT2_MAX_CHUNK}, or sync_values to 'int8' or 'bf16'")
         if o.sync_topk > o.sync_chunk:
             raise LowCommConfigError(f"lowcomm.desloc.sync_topk: got {o.sync_topk}; at most sync_chunk "
                                      f"({o.sync_chunk}): it counts the entries sent per chunk")
