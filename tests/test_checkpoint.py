@@ -1,5 +1,6 @@
 """Checkpoints: fp32 export, loads at another world size, clear errors for damaged or unsafe
 files (exact resume in every mode: test_resume.py)."""
+import copy
 import math
 import os
 import shutil
@@ -331,9 +332,10 @@ PER_RANK = {
     # after a compressed sync at step 2: each replica's error buffer holds what it did not send
     "desloc-compressed": (workers.config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 2, "momentum_sync_every": 0, "variance_sync_every": 0, "sync_topk": 1}), 6),
-    # a streamed sync launched at step 3, saved in flight (it would be applied at step 5)
+    # a streamed sync launched at step 3 with the first moment, saved in flight (it would be
+    # applied at step 5); loaded at another layout, the moments' replica mean is what applying it gives
     "desloc-streamed": (workers.config("desloc", shard_group_size=1, desloc={
-        "param_sync_every": 3, "param_sync_delay": 2}), 8),
+        "param_sync_every": 3, "momentum_sync_every": 3, "param_sync_delay": 2}), 8),
 }
 
 
@@ -424,6 +426,35 @@ def _load_weights_only(rank, world, save_dir):
     engine.load_checkpoint(save_dir, load_optimizer_states=False)
     opt = engine.optimizer
     return opt.flat.unpadded(opt.flat.buffer).float().clone(), opt.mode.syncs.ticket is None
+
+
+def _load_without_streaming(rank, world, save_dir):
+    cfg = copy.deepcopy(PER_RANK["desloc-streamed"][0])
+    cfg["lowcomm"]["desloc"]["param_sync_delay"] = 0
+    engine = workers.build_engine(cfg, seed=5)
+    engine.load_checkpoint(save_dir)
+    a = engine.optimizer.mode.adamw
+    return {k: getattr(a, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def test_a_run_without_streaming_applies_the_saved_sync_at_the_load(tmp_path):
+    """The same layout resumed with param_sync_delay 0: each replica applies the sync saved in
+    flight at the load, read here from its own file: master + result − master at the launch, the
+    first moment launched with it m + β1^n·(m̄ − m at the launch), n = the Adam steps since the
+    launch (1 here), β1 = 0.9 (the config's); the second moment was not in flight."""
+    numel = run_ranks(_save_per_rank, 2, str(tmp_path), "desloc-streamed")[0]
+    tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
+    saved = [torch.load(tag / f"lowcomm_rank{r:05d}.pt", weights_only=True) for r in range(2)]
+    for r, got in enumerate(run_ranks(_load_without_streaming, 2, str(tmp_path))):
+        shards, n = saved[r]["shards"], saved[r]["mode"]["step"] - saved[r]["mode"]["sync_launch_step"]
+        assert n == 1 and "sync_launched_exp_avg_sq" not in shards
+        want = {"master": shards["master"] + shards["sync_result"] - shards["sync_launched"],
+                "exp_avg": shards["exp_avg"] + 0.9 ** n * (shards["sync_result_exp_avg"]
+                                                           - shards["sync_launched_exp_avg"]),
+                "exp_avg_sq": shards["exp_avg_sq"]}
+        for key, value in want.items():
+            torch.testing.assert_close(got[key][:numel], value[:numel], rtol=1e-6, atol=1e-9)
+        assert not torch.equal(got["exp_avg"], shards["exp_avg"])
 
 
 def test_a_weights_only_load_applies_the_streamed_sync_in_flight(tmp_path):

@@ -209,33 +209,44 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
     moment when Ku does, the second when Kv does (DES-LOC, arXiv 2505.22549, Algorithm 1).
     Streamed (``delay`` D > 0): the parameter sync launched after step t is applied after step
     t + D's update, θ_r ← x̄ + (θ_r − s_r), s_r the parameters at t, x̄ their mean (or the anchor
-    after the outer step)."""
+    after the outer step); a moment due at t as well goes with it, its mean m̄ of the moments at t
+    applied then as m_r ← m_r + β^D·(m̄ − m_r,t): m_r is an EMA of decay β (β1 for the first
+    moment, β2 for the second), so this is the moment it would hold had it restarted from m̄ at t."""
     models = [_model(), _model()]
     opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     buf = [torch.zeros_like(a) for a in anchor]
-    pending = None  # (step it is applied at, [s_0, s_1], x̄)
+    decay = {"exp_avg": HP["betas"][0], "exp_avg_sq": HP["betas"][1]}
+    pending = None  # (step it is applied at, [s_0, s_1], x̄, {moment: ([m_0,t, m_1,t], m̄)})
     out = []
     for t in range(1, STEPS + 1):
         for r, (model, opt) in enumerate(zip(models, opts)):
             for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
                 p.grad = g
             opt.step()
+        pairs = list(zip(models[0].parameters(), models[1].parameters()))
         if pending is not None and pending[0] == t:
             with torch.no_grad():
                 for r, model in enumerate(models):
                     for p, s, x in zip(model.parameters(), pending[1][r], pending[2]):
                         p.add_(x - s)
+            for key, (launched, means) in pending[3].items():
+                for r, opt in enumerate(opts):
+                    for i, p in enumerate(pairs):
+                        opt.state[p[r]][key] += decay[key] ** delay * (means[i] - launched[r][i])
             pending = None
-        pairs = list(zip(models[0].parameters(), models[1].parameters()))
-        if t % kv == 0:
-            for a, b in pairs:
-                avg = (opts[0].state[a]["exp_avg_sq"] + opts[1].state[b]["exp_avg_sq"]) * 0.5
-                opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"] = avg.clone(), avg.clone()
-        if t % ku == 0:
-            for a, b in pairs:
-                avg = (opts[0].state[a]["exp_avg"] + opts[1].state[b]["exp_avg"]) * 0.5
-                opts[0].state[a]["exp_avg"], opts[1].state[b]["exp_avg"] = avg.clone(), avg.clone()
+        launch = delay and t % kx == 0
+        due = [key for key, every in (("exp_avg_sq", kv), ("exp_avg", ku)) if t % every == 0]
+        streamed = {}
+        for key in due:
+            moments = [[opts[r].state[p[r]][key].clone() for p in pairs] for r in range(2)]
+            means = [(a + b) * 0.5 for a, b in zip(*moments)]
+            if launch:
+                streamed[key] = (moments, means)
+                continue
+            for r in range(2):
+                for p, avg in zip(pairs, means):
+                    opts[r].state[p[r]][key] = avg.clone()
         if t % kx == 0:
             launched = [[p.detach().clone() for p in m.parameters()] for m in models]
             result = []
@@ -248,7 +259,7 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
                     avg = anchor[i]
                 result.append(avg)
             if delay:
-                pending = (t + delay, launched, result)
+                pending = (t + delay, launched, result, streamed)
             else:
                 with torch.no_grad():
                     for model in models:

@@ -58,6 +58,10 @@ CASES = {
     # a streamed parameter sync launched at step 4, applied at 6, in flight at the save after step 5
     "desloc-streamed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 4,
                                                                        "param_sync_delay": 2}), 18, 10),
+    # the moments launched with it too: each moment at the launch and its mean saved in flight
+    "desloc-streamed-moments": (_config("desloc", shard_group_size=1, desloc={
+        "param_sync_every": 4, "momentum_sync_every": 4, "variance_sync_every": 4,
+        "param_sync_delay": 2}), 18, 10),
     # the same, compressed: the payload encoded at step 4, the anchor it moves saved in flight
     "desloc-compressed-streamed": (_config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 4, "param_sync_delay": 2, "sync_topk": 2, "sync_chunk": 16}), 18, 10),

@@ -47,3 +47,34 @@ def test_an_untied_head_stays_with_adamw():
     found = muon_matrices(flat, list(model.modules()))
     assert [(m.rows, m.cols) for m in found] == [(32, 96), (32, 32), (32, 128), (128, 32)]
     assert all(m.start != head for m in found)
+
+
+def test_a_streamed_moment_decays_by_each_parts_own_rate():
+    """What n updates leave of a moment's earlier value (a streamed sync's correction): Muon's
+    momentum 0.95^n on the hidden matrices, which have no second moment (left as it is); elsewhere
+    AdamW's β1^n or β2^n, each param group by its own betas. The matrices are named here, not
+    taken from the library."""
+    import torch
+
+    from ds_lowcomm.shard.flat import FlatParams
+    from ds_lowcomm.shard.muon import ShardMuon, muon_matrices
+
+    model = workers.tiny_gpt2(0)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named[:9]], "betas": (0.9, 0.95)},
+              {"params": [p for _, p in named[9:]], "betas": (0.8, 0.99)}]
+    flat = FlatParams([{"params": g["params"]} for g in groups], world=1, rank=0)
+    muon = ShardMuon(flat.layout, flat.buffer, muon_matrices(flat, list(model.modules())), None)
+    hidden = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+    for key, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
+        values = torch.ones(flat.layout.shard_size)
+        muon.decay(key, values, 3, groups)
+        want = torch.ones_like(values)
+        for i, (name, p) in enumerate(named):
+            a = flat.offsets[id(p)]
+            if name.endswith(hidden):
+                rate = 0.95 if key == "exp_avg" else 1.0
+            else:
+                rate = groups[0 if i < 9 else 1]["betas"][which]
+            want[a:a + p.numel()] = rate ** 3
+        assert torch.equal(values, want), key

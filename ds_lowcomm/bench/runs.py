@@ -48,7 +48,7 @@ CONFIGS = {"ideal": "zero1.json", "ddp": "deepspeed_zero1.json", "ddp-powersgd":
 REGIME_CONFIGS = {regime: {"demo": "demo_slow_link.json", "demo-overlap": "demo_slow_link.json",
                            "desloc": "desloc_slow_link.json", "desloc-compressed": "desloc_slow_link.json",
                            "desloc-streamed": "desloc_slow_link.json",
-                           "desloc-muon": "desloc_slow_link.json", "diloco": "desloc_slow_link.json"}
+                           "desloc-muon": "desloc_muon_slow_link.json", "diloco": "desloc_slow_link.json"}
                   for regime in ("slow", "two-node")}
 
 

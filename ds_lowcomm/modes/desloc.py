@@ -26,11 +26,16 @@ and the error buffer: 8/S bytes per parameter).
 comm worker while the next D local steps compute; after step t + D's update the result x̄ replaces
 the master with the local progress since kept, θ ← x̄ + (θ_{t+D} − θ_t). Nothing computed is
 discarded (Streaming DiLoCo instead mixes θ ← α·θ_{t+D} + (1 − α)·x̄). D = 0 is the synchronous
-sync above; compressed syncs stream too (encoded at the launch, all-gathered on the worker); the
-moments' syncs stay synchronous. The local steps stay on the training thread: the worker carries
-the syncs only, so D steps of compute can hide one. It costs the master at the launch (4/S bytes per parameter) and,
-for dense syncs, the buffer sent (4/S more); a save with a sync in flight waits for it and keeps
-its result and the launch master, so a resume applies it at the same step.
+sync above; compressed syncs stream too (encoded at the launch, all-gathered on the worker). A
+moment due at the launch goes in the same flight and is applied with it as
+m ← m_{t+D} + β^n·(m̄_t − m_t), n the replica's Adam steps since the launch, β the moment's decay
+(``ShardAdamW.decay``): an EMA's m_{t+D} = β^n·m_t + the new gradients' terms, so this is the
+moment it would hold had it restarted from the mean at t (the parameters' additive correction
+would keep (1 − β^n)·m_t of its own and could make v negative). The local steps stay on the
+training thread: the worker carries the syncs only, so D steps of compute can hide one. It costs
+the master at the launch (4/S bytes per parameter), for dense syncs the buffer sent (4/S more),
+and 8/S per moment ever averaged (at the launch, and its wire); a save with a sync in flight waits
+for it and keeps its results and what was launched, so a resume applies it at the same step.
 ``inner_optimizer`` "muon" makes the local step Muon (:mod:`ds_lowcomm.shard.muon`) on the hidden
 matrices, AdamW on the rest; its momentum is ``exp_avg`` and is averaged on Ku like Adam's (the
 matrices' ``exp_avg_sq`` stays zero and is not sent: a second-moment sync carries the AdamW part
@@ -51,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -69,6 +74,7 @@ from ds_lowcomm.modes.sparse import INT2_MAX_CHUNK, MAX_CHUNK, VALUES, ChunkTopK
 from ds_lowcomm.shard.step import ShardedStepRound, step_now
 
 NEVER = 0  # the internal value of "never"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,10 @@ class ParamAverage(Round):
     outer optimizer its pseudo-gradient anchor − master) all-reduced over the replica group, 4·S
     bytes of which 2(R−1)/R sent; compressed, the payload encoded at the launch all-gathered,
     (R−1) payloads sent. It leaves the sync's result, the parameters every replica agrees on, in
-    :attr:`ReplicaSyncs.result` (the mean, or the anchor moved by the mean or the outer step)."""
+    :attr:`ReplicaSyncs.result` (the mean, or the anchor moved by the mean or the outer step).
+    Then each moment launched with it (:attr:`ReplicaSyncs.in_flight`): its wire averaged in place,
+    one all-reduce of its informative ranges (2(R−1)/R · 4 bytes per element), as a synchronous
+    sync would."""
 
     def __init__(self, syncs: "ReplicaSyncs", replica) -> None:
         self.syncs, self.replica = syncs, replica
@@ -117,11 +126,13 @@ class ParamAverage(Round):
         syncs = self.syncs  # the anchor and outer momentum are the worker's until the sync is applied
         if syncs.codec is not None:
             syncs.apply_compressed(self.replica)
-            return
-        self.replica.all_reduce(syncs.wire)
-        syncs.wire.mul_(1.0 / self.replica.world)
-        if syncs.outer:
-            syncs.outer_step(syncs.wire, slice(None))
+        else:
+            self.replica.all_reduce(syncs.wire)
+            syncs.wire.mul_(1.0 / self.replica.world)
+            if syncs.outer:
+                syncs.outer_step(syncs.wire, slice(None))
+        for key in syncs.in_flight:
+            average_ranges(self.replica, syncs.moment_wire[key], syncs.moment_ranges[key])
 
     def install(self) -> None:
         """Nothing: :meth:`ReplicaSyncs.finish_param_sync` applies the result."""
@@ -154,10 +165,20 @@ class ReplicaSyncs:
         #: the streamed sync in flight (or run and not yet applied), and the round it is applied at
         self.ticket: Optional[Ticket] = None
         self.finish_at: Optional[int] = None
+        #: the moments launched with it, and the inner optimizer's step count at the launch
+        self.in_flight: List[str] = []
+        self.launch_step = 0
+        self.moment_launched: Dict[str, torch.Tensor] = {}
+        self.moment_wire: Dict[str, torch.Tensor] = {}
+        self.moment_ranges: Dict[str, Optional[list]] = {}
         if self.delay:
             self.launched = torch.zeros_like(master)  # this replica's master at the launch
             if self.codec is None:  # what the all-reduce sends (compressed syncs send the payload)
                 self.wire = torch.zeros_like(master)
+            for key in MOMENTS:  # a moment at its launch, and its wire (then its mean)
+                if self.periods[key] != NEVER:
+                    self.moment_launched[key] = torch.zeros_like(master)
+                    self.moment_wire[key] = torch.zeros_like(master)
 
     @property
     def result(self) -> torch.Tensor:
@@ -173,49 +194,46 @@ class ReplicaSyncs:
             self.error = torch.zeros(self.codec.padded, dtype=master.dtype, device=master.device)
             self.payload = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8, device=master.device)
 
-    def average_due(self, adamw: ShardAdamW, replica) -> None:
+    def average_due(self, adamw: ShardAdamW, replica, param_groups) -> None:
         """After the local update (or its skip), before the all-gather: average over ``replica``
         (the replica group, None with one replica) the states due this round, each in place in
         one all-reduce of 4·S bytes (one concatenated call would hold a copy of them all). With
-        ``param_sync_delay``, first apply the streamed sync due this round, then launch the
-        parameter sync instead of running it (its bytes the same, sent from the comm worker)."""
+        ``param_sync_delay``, first apply the streamed sync due this round (``param_groups``: the
+        betas its moments decay by), then launch the parameter sync, and the moments due with it,
+        instead of running them (their bytes the same, sent from the comm worker)."""
         self.rounds += 1
         if self.finish_at == self.rounds:
-            self.finish_param_sync(adamw.master)
+            self.finish_param_sync(adamw, param_groups)
         due = [k for k, every in self.periods.items() if every != NEVER and self.rounds % every == 0]
         if replica is None or not due:
             return
         launch = self.delay and "master" in due
         if launch:
-            due.remove("master")
-        if due and self.ticket is not None:
+            self.start_param_sync(adamw, replica, [k for k in due if k != "master"], param_groups)
+            return
+        if self.ticket is not None:
             # One collective at a time on the replica group, in the same order on every rank: a
             # sync still on the worker runs first (with periods that are multiples of Kx, none is).
             self.settle()
         if self.codec is not None and "master" in due:
             due.remove("master")
             self.sync_compressed(adamw.master, replica)
-        for k in due:
-            state, ranges = getattr(adamw, k), adamw.informative_ranges(k)
-            if ranges is not None:  # (Muon's second moment: zero on its matrices, not sent)
-                average_ranges(replica, state, ranges)
-                continue
-            replica.all_reduce(state)
-            state.mul_(1.0 / replica.world)
+        for k in due:  # (Muon's second moment: zero on its matrices, not sent)
+            average_ranges(replica, getattr(adamw, k), adamw.informative_ranges(k))
         if self.outer and "master" in due:
             delta = self.anchor - adamw.master  # identical on every replica: from averages
             self.outer_step(delta, slice(None))
             adamw.master.copy_(self.anchor)
-        if launch:  # after the moments' syncs: those run on this thread, the launch on the worker
-            self.start_param_sync(adamw.master, replica)
 
-    def start_param_sync(self, master: torch.Tensor, replica) -> None:
-        """Launch a streamed parameter sync (module doc) on the comm worker, to be applied after
-        the update of round ``rounds + delay``: dense, the wire filled here; compressed, the
-        payload encoded here (on the training thread/stream, from the master now). Never blocks
-        (a sync still pending is applied first: only after a change of periods)."""
+    def start_param_sync(self, adamw: ShardAdamW, replica, moments: List[str], param_groups) -> None:
+        """Launch a streamed parameter sync (module doc) on the comm worker, with the ``moments``
+        due in the same round, to be applied after the update of round ``rounds + delay``: dense,
+        the wire filled here; compressed, the payload encoded here (on the training thread/stream,
+        from the master now); each moment copied to its wire. Never blocks (a sync still pending
+        is applied first: only after a change of periods)."""
         if self.ticket is not None:
-            self.finish_param_sync(master)
+            self.finish_param_sync(adamw, param_groups)
+        master = adamw.master
         self.launched.copy_(master)
         if self.codec is not None:
             self.encode_compressed(master)
@@ -223,13 +241,27 @@ class ReplicaSyncs:
             torch.sub(self.anchor, master, out=self.wire)
         else:
             self.wire.copy_(master)
+        for key in moments:
+            state = getattr(adamw, key)
+            self.moment_launched[key].copy_(state)
+            self.moment_wire[key].copy_(state)
+            self.moment_ranges[key] = adamw.informative_ranges(key)
+        self.in_flight, self.launch_step = moments, adamw.step_count
         self.ticket = self.worker.submit(ParamAverage(self, replica))
         self.finish_at = self.rounds + self.delay
 
-    def finish_param_sync(self, master: torch.Tensor) -> None:
-        """Wait for the streamed sync and apply it: master ← result + (master − launched)."""
+    def finish_param_sync(self, adamw: ShardAdamW, param_groups) -> None:
+        """Wait for the streamed sync and apply it: master ← result + (master − launched); each
+        moment launched with it s ← s + β^n·(s̄ − s_launched), n the updates since the launch and
+        β its decay (``adamw.decay``, from ``param_groups``' betas): exactly the moment an EMA
+        would hold had it started from the mean at the launch (module doc)."""
         self.settle()
-        master.add_(self.result).sub_(self.launched)
+        adamw.master.add_(self.result).sub_(self.launched)
+        for key in self.in_flight:
+            delta = self.moment_wire[key].sub_(self.moment_launched[key])
+            adamw.decay(key, delta, adamw.step_count - self.launch_step, param_groups)
+            getattr(adamw, key).add_(delta)
+        self.in_flight = []
         self.ticket = self.finish_at = None
 
     def settle(self) -> None:
@@ -280,8 +312,12 @@ class ReplicaSyncs:
 
 def average_ranges(replica, state: torch.Tensor, ranges) -> None:
     """Average the elements ``ranges`` (``(start, end)`` pairs, the same on every rank of
-    ``replica``) of ``state`` over the replica group, packed into one all-reduce of 4 bytes per
-    element; the rest of ``state`` is left as it is."""
+    ``replica``; None: all of ``state``, in place) of ``state`` over the replica group, packed
+    into one all-reduce of 4 bytes per element; the rest of ``state`` is left as it is."""
+    if ranges is None:
+        replica.all_reduce(state)
+        state.mul_(1.0 / replica.world)
+        return
     total = sum(b - a for a, b in ranges)
     if total == 0:
         return
@@ -322,7 +358,7 @@ class DeslocRound(ShardedStepRound):
 
     def update(self, grad: torch.Tensor, factor: float) -> torch.Tensor:
         out = super().update(grad, factor)
-        self.syncs.average_due(self.adamw, self.ctx.topology.replica)
+        self.syncs.average_due(self.adamw, self.ctx.topology.replica, self.hyper)
         return out
 
 
@@ -387,7 +423,7 @@ class Desloc(Mode):
         come) and gather the master into the model (an all-gather inside the shard group).
         Checkpoints keep it in flight instead (:meth:`state`)."""
         if self.syncs.ticket is not None:
-            self.syncs.finish_param_sync(self.adamw.master)
+            self.syncs.finish_param_sync(self.adamw, self.ctx.param_groups)
             self.ctx.set_params(self.master_weights())
 
     # -- state: replicas differ between syncs; each rank saves its replica's shards ---------------
@@ -411,12 +447,17 @@ class Desloc(Mode):
         if syncs.codec is not None:  # this replica's own: what its syncs have not sent yet
             sharded["sync_error"] = syncs.error[: a.master.numel()]
         meta = {"rounds": syncs.rounds, "inner_optimizer": self.options.inner_optimizer}
+        rank = {"step": a.step_count}
         if syncs.ticket is not None:  # a streamed sync run (settle) and not yet applied
             sharded["sync_launched"] = syncs.launched
             if not syncs.anchored:  # (else the result is the anchor, saved above)
                 sharded["sync_result"] = syncs.wire
+            for key in syncs.in_flight:  # its moments: at the launch, and their means
+                sharded[f"sync_launched_{key}"] = syncs.moment_launched[key]
+                sharded[f"sync_result_{key}"] = syncs.moment_wire[key]
             meta["sync_finish_at"] = syncs.finish_at
-        return ModeState(meta=meta, sharded=sharded, rank={"step": a.step_count})
+            rank["sync_launch_step"] = syncs.launch_step
+        return ModeState(meta=meta, sharded=sharded, rank=rank)
 
     def check_saved(self, meta: dict) -> None:
         """The inner optimizer must be the one the checkpoint was written with: Muon's momentum is
@@ -442,7 +483,10 @@ class Desloc(Mode):
 
         A streamed sync saved in flight is restored in flight where this run streams too with the
         same layout (applied at the same round, as if never interrupted); anywhere else it is
-        applied at the load (master + result − launched)."""
+        applied at the load (master + result − launched, each moment launched with it
+        s + β^n·(s̄ − s_launched)). At another layout the moments launched with it are left out:
+        the replicas' mean moments loaded there are what applying it would give (the mean of
+        s_r + β^n·(s̄ − s_r,launched) over the replicas is the mean of the s_r)."""
         a, syncs, topo, layout = self.adamw, self.syncs, self.ctx.topology, self.ctx.flat.layout
         syncs.ticket = syncs.finish_at = None  # (settled) a sync of the state this load replaces
         if meta is None:
@@ -487,11 +531,21 @@ class Desloc(Mode):
             if keep_error:
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
         if "sync_launched" in keys:  # a streamed sync in flight at the save
-            if syncs.delay and rank is not None and ("anchor" in keys) == syncs.anchored:
+            moments = [k for k in MOMENTS if f"sync_launched_{k}" in keys] if rank is not None else []
+            if syncs.delay and rank is not None and ("anchor" in keys) == syncs.anchored \
+                    and all(k in syncs.moment_wire for k in moments):
                 syncs.result.copy_(read(saved_sync_result(keys)))
                 syncs.launched.copy_(read("sync_launched"))
+                for k in moments:
+                    syncs.moment_wire[k].copy_(read(f"sync_result_{k}"))
+                    syncs.moment_launched[k].copy_(read(f"sync_launched_{k}"))
+                syncs.in_flight, syncs.launch_step = moments, int(rank.get("sync_launch_step", 0))
                 syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
                 syncs.finish_at = int(meta["sync_finish_at"])
             else:
                 apply_saved_sync(keys, a.master, params, read, full)
+                for k in moments:
+                    delta = read(f"sync_result_{k}").sub_(read(f"sync_launched_{k}"))
+                    a.decay(k, delta, a.step_count - int(rank["sync_launch_step"]), self.ctx.param_groups)
+                    getattr(a, k).add_(delta)
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)

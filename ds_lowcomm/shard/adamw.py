@@ -42,8 +42,7 @@ class ShardAdamW:
         place) is converted to fp32 and scaled ``chunk`` elements at a time, so the update never
         holds an fp32 copy of the whole shard. AdamW is elementwise: the result is the same.
         """
-        self.adamw_ranges(grad, param_groups, factor, [(seg.group, seg.start, seg.end) for seg in self.segments],
-                          chunk)
+        self.adamw_ranges(grad, param_groups, factor, self.adamw_segments(), chunk)
         self.step_count += 1
 
     def adamw_ranges(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float, ranges,
@@ -102,6 +101,18 @@ class ShardAdamW:
         """The ``(start, end)`` shard ranges where state ``key`` can differ from zero, which an
         average across replicas must carry; None: all of it (every state of AdamW)."""
         return None
+
+    def decay(self, key: str, values: torch.Tensor, updates: int, param_groups: Sequence[dict]) -> None:
+        """Scale ``values`` (shard-shaped) in place by what ``updates`` updates leave of state
+        ``key``'s earlier value: β1^n for ``exp_avg``, β2^n for ``exp_avg_sq``, each segment by its
+        param group's betas (an EMA's m_{t+n} = β^n·m_t + the n gradients' terms)."""
+        which = ("exp_avg", "exp_avg_sq").index(key)
+        for group, start, end in self.adamw_segments():
+            values[start:end].mul_(param_groups[group]["betas"][which] ** updates)
+
+    def adamw_segments(self) -> List[Tuple[int, int, int]]:
+        """``(group, start, end)`` of the shard elements AdamW updates: all of them."""
+        return [(seg.group, seg.start, seg.end) for seg in self.segments]
 
     def sharded_state(self) -> dict:
         """This rank's shards, as a checkpoint keeps them (no copy, no communication)."""
