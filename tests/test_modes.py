@@ -34,8 +34,9 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y) / GAS
 
 
-def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=None, cross_at=None):
-    """STEPS steps of the mode from ``lowcomm`` (a "lowcomm" JSON section) through a ModeContext
+def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=None, cross_at=None,
+           n_steps=STEPS):
+    """``n_steps`` steps of the mode from ``lowcomm`` (a "lowcomm" JSON section) through a ModeContext
     built here as the optimizer builds it; returns, flat, after each step, the model's parameters
     (after a flush) or, ``record="master"``, the mode's fp32 master (acco: a flush would move the
     model off the estimate the next micro-batch is computed at; desloc's streamed syncs: a flush
@@ -101,7 +102,7 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     mode = mode_cls(ctx, cfg.mode_options)
     mode.bind_loop(False)
     after = []
-    for t in range(STEPS):
+    for t in range(n_steps):
         step_now_index[0] = t
         grads.attach()
         for m in range(GAS):
@@ -203,7 +204,7 @@ def test_acco_is_adamw_with_an_estimate_step():
     assert not torch.equal(_flat(estimate), _flat(ref))  # the estimate is a real step ahead
 
 
-def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
+def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0, steps=STEPS):
     """Two replicas, each AdamW on its own rank's data; after step t's update the parameters are
     averaged when Kx divides t (DiLoCo's outer Nesterov on the average when configured), the first
     moment when Ku does, the second when Kv does (DES-LOC, arXiv 2505.22549, Algorithm 1).
@@ -211,7 +212,9 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
     t + D's update, θ_r ← x̄ + (θ_r − s_r), s_r the parameters at t, x̄ their mean (or the anchor
     after the outer step); a moment due at t as well goes with it, its mean m̄ of the moments at t
     applied then as m_r ← m_r + β^D·(m̄ − m_r,t): m_r is an EMA of decay β (β1 for the first
-    moment, β2 for the second), so this is the moment it would hold had it restarted from m̄ at t."""
+    moment, β2 for the second), so this is the moment it would hold had it restarted from m̄ at t.
+    A moment averaged again before then takes no correction (the mean of the corrected moments is
+    the mean of the uncorrected ones)."""
     models = [_model(), _model()]
     opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
@@ -219,7 +222,7 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
     decay = {"exp_avg": HP["betas"][0], "exp_avg_sq": HP["betas"][1]}
     pending = None  # (step it is applied at, [s_0, s_1], x̄, {moment: ([m_0,t, m_1,t], m̄)})
     out = []
-    for t in range(1, STEPS + 1):
+    for t in range(1, steps + 1):
         for r, (model, opt) in enumerate(zip(models, opts)):
             for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
                 p.grad = g
@@ -244,6 +247,8 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0):
             if launch:
                 streamed[key] = (moments, means)
                 continue
+            if pending is not None:  # averaged now: the replicas' mean needs no correction later
+                pending[3].pop(key, None)
             for r in range(2):
                 for p, avg in zip(pairs, means):
                     opts[r].state[p[r]][key] = avg.clone()
@@ -287,24 +292,28 @@ def test_desloc_is_local_adamw_with_its_averages(outer):
     assert ops["calls"] == 6 and ops["bytes_sent"] == 6 * 112 * 4
 
 
-@pytest.mark.parametrize("kx, delay, outer", [(2, 1, {}), (3, 2, {}), (2, 1, {"outer_lr": 0.7, "outer_momentum": 0.9})],
-                         ids=["average", "average-2-late", "nesterov"])
-def test_desloc_streamed_syncs_apply_late_with_the_local_progress(kx, delay, outer):
+@pytest.mark.parametrize("kx, ku, delay, steps, outer", [
+    (2, 3, 1, STEPS, {}), (3, 3, 2, STEPS, {}), (4, 2, 3, 8, {}),
+    (2, 3, 1, STEPS, {"outer_lr": 0.7, "outer_momentum": 0.9})],
+    ids=["average", "average-2-late", "moment-due-in-flight", "nesterov"])
+def test_desloc_streamed_syncs_apply_late_with_the_local_progress(kx, ku, delay, steps, outer):
     """param_sync_delay D: each parameter sync's all-reduce runs on the comm worker during the next
-    D steps and is applied after the last of them, their own progress kept on top of the average.
+    D steps and is applied after the last of them, their own progress kept on top of the average;
+    the moments due at its launch go with it (Kx 4, Ku 2, D 3: the first moment launched at step 4
+    is averaged again at step 6, on the training thread, before the sync is applied at step 7).
     (The master is recorded: a flush would apply the sync in flight at once.)"""
-    periods = dict(param_sync_every=kx, momentum_sync_every=3, variance_sync_every=4, param_sync_delay=delay)
+    periods = dict(param_sync_every=kx, momentum_sync_every=ku, variance_sync_every=4, param_sync_delay=delay)
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": {**periods, **outer}},
-                        0.0, "master")
-    ref = _desloc_reference(kx, 3, 4, **outer, delay=delay)
-    for t in range(STEPS):
+                        0.0, "master", None, None, steps)
+    ref = _desloc_reference(kx, ku, 4, **outer, delay=delay, steps=steps)
+    for t in range(steps):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
     # the synchronous sync would have made the replicas equal after step Kx; streamed they differ
     # by their own steps since
     assert not torch.equal(results[0]["after"][kx - 1], results[1]["after"][kx - 1])
     ops = results[0]["bytes"]["replica.all_reduce"]  # the same syncs as synchronous
-    syncs = STEPS // kx + STEPS // 3 + STEPS // 4
+    syncs = steps // kx + steps // ku + steps // 4
     assert ops["calls"] == syncs and ops["bytes_sent"] == syncs * 112 * 4
 
 

@@ -55,6 +55,9 @@ CASES = {
     # compressed parameter syncs: each replica's error buffer (what its syncs have not sent) saved
     "desloc-compressed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 2, "sync_topk": 2,
                                                                          "sync_chunk": 16}), 18, 10),
+    # int2 values, the last chunk of 60 holding 8 parameters: its padding picked, sent as ±lo
+    "desloc-compressed-int2": (_config("desloc", shard_group_size=1, desloc={
+        "param_sync_every": 2, "sync_topk": 10, "sync_chunk": 60, "sync_values": "int2"}), 18, 10),
     # a streamed parameter sync launched at step 4, applied at 6, in flight at the save after step 5
     "desloc-streamed": (_config("desloc", shard_group_size=1, desloc={"param_sync_every": 4,
                                                                        "param_sync_delay": 2}), 18, 10),

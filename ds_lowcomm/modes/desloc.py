@@ -118,6 +118,7 @@ class ParamAverage(Round):
 
     def __init__(self, syncs: "ReplicaSyncs", replica) -> None:
         self.syncs, self.replica = syncs, replica
+        self.moments = list(syncs.in_flight)  # (fixed at the launch: the collectives it issues)
 
     def pack(self) -> None:
         """Nothing: :meth:`ReplicaSyncs.start_param_sync` fills the wire before submitting."""
@@ -131,7 +132,7 @@ class ParamAverage(Round):
             syncs.wire.mul_(1.0 / self.replica.world)
             if syncs.outer:
                 syncs.outer_step(syncs.wire, slice(None))
-        for key in syncs.in_flight:
+        for key in self.moments:
             average_ranges(self.replica, syncs.moment_wire[key], syncs.moment_ranges[key])
 
     def install(self) -> None:
@@ -146,7 +147,8 @@ class ReplicaSyncs:
     def __init__(self, options: DeslocOptions, master: torch.Tensor, worker: Optional[CommWorker] = None) -> None:
         """The anchor (the parameters at the last sync) exists with the outer optimizer or
         compressed syncs; the error buffer with compressed syncs; with ``param_sync_delay`` the
-        streamed sync's two buffers and ``worker``, the comm worker its all-reduce runs on."""
+        streamed sync's two buffers (and two per moment ever averaged) and ``worker``, the comm worker
+        its all-reduce runs on."""
         kx = options.param_sync_every
         ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
@@ -214,7 +216,10 @@ class ReplicaSyncs:
         if self.ticket is not None:
             # One collective at a time on the replica group, in the same order on every rank: a
             # sync still on the worker runs first (with periods that are multiples of Kx, none is).
+            # A moment averaged now needs no correction from it any more: the replicas' mean of
+            # the corrected moments is the mean of the uncorrected ones.
             self.settle()
+            self.in_flight = [k for k in self.in_flight if k not in due]
         if self.codec is not None and "master" in due:
             due.remove("master")
             self.sync_compressed(adamw.master, replica)
@@ -295,6 +300,9 @@ class ReplicaSyncs:
             b = min(n, a + step)
             self.error[a:b].add_(self.anchor[a:b] - master[a:b])
         self.codec.encode(self.error, self.payload)
+        # The padding of the last chunk is no parameter: what a rounding left there (int2 sends a
+        # picked zero as ±lo) would take top-k slots later and is not saved; drop it.
+        self.error[n:].zero_()
 
     def apply_compressed(self, replica) -> None:
         """Every replica's payload in one all-gather of :attr:`ChunkTopK.payload_bytes` each; the
@@ -486,9 +494,11 @@ class Desloc(Mode):
         applied at the load (master + result − launched, each moment launched with it
         s + β^n·(s̄ − s_launched)). At another layout the moments launched with it are left out:
         the replicas' mean moments loaded there are what applying it would give (the mean of
-        s_r + β^n·(s̄ − s_r,launched) over the replicas is the mean of the s_r)."""
+        s_r + β^n·(s̄ − s_r,launched) over the replicas is the mean of the s_r, where no replica
+        skipped a step since the launch)."""
         a, syncs, topo, layout = self.adamw, self.syncs, self.ctx.topology, self.ctx.flat.layout
         syncs.ticket = syncs.finish_at = None  # (settled) a sync of the state this load replaces
+        syncs.in_flight = []
         if meta is None:
             a.load_shards(shards, None)
             params = shards.full("master", a.master)
@@ -532,6 +542,7 @@ class Desloc(Mode):
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
         if "sync_launched" in keys:  # a streamed sync in flight at the save
             moments = [k for k in MOMENTS if f"sync_launched_{k}" in keys] if rank is not None else []
+            launch_step = int(rank["sync_launch_step"]) if moments else 0
             if syncs.delay and rank is not None and ("anchor" in keys) == syncs.anchored \
                     and all(k in syncs.moment_wire for k in moments):
                 syncs.result.copy_(read(saved_sync_result(keys)))
@@ -539,13 +550,13 @@ class Desloc(Mode):
                 for k in moments:
                     syncs.moment_wire[k].copy_(read(f"sync_result_{k}"))
                     syncs.moment_launched[k].copy_(read(f"sync_launched_{k}"))
-                syncs.in_flight, syncs.launch_step = moments, int(rank.get("sync_launch_step", 0))
+                syncs.in_flight, syncs.launch_step = moments, launch_step
                 syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
                 syncs.finish_at = int(meta["sync_finish_at"])
             else:
                 apply_saved_sync(keys, a.master, params, read, full)
                 for k in moments:
                     delta = read(f"sync_result_{k}").sub_(read(f"sync_launched_{k}"))
-                    a.decay(k, delta, a.step_count - int(rank["sync_launch_step"]), self.ctx.param_groups)
+                    a.decay(k, delta, a.step_count - launch_step, self.ctx.param_groups)
                     getattr(a, k).add_(delta)
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)

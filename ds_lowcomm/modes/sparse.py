@@ -25,9 +25,10 @@ int2 is 2-bit quantisation as SparseLoCo and MuLoCo send (4 levels), with the le
 each group's picked values rather than spaced evenly: one step of Lloyd's algorithm from the
 mean. For the picked values v of a group, t = mean |v|; hi = mean of the |v| ≥ t, lo = mean of the
 |v| < t (t where a side is empty); v̂ = sign(v)·(hi if |v| ≥ t else lo), a zero counted positive.
-Each side's levels average to that side's magnitudes, so what the rounding leaves in the error
-buffer sums to zero per side and group; top-k values are heavy-tailed, where even levels over
-[−max, max] would round most of them far off.
+Each level is the mean of its side's magnitudes, so the magnitudes' rounding errors sum to zero
+per side and group; top-k values are heavy-tailed, where even levels over [−max, max] would round
+most of them far off. A picked zero (only where a chunk has fewer than k non-zeros) goes as +lo,
+its error −lo kept like any other.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ INT8_LEVELS = 127
 INT2_GROUP = 16
 #: int2: the largest chunk (a 6-bit index shares the byte with the sign and the magnitude bit)
 INT2_MAX_CHUNK = 64
+INT2_INDEX_MASK = INT2_MAX_CHUNK - 1
 VALUES = ("bf16", "int8", "int2")
 
 
@@ -64,12 +66,12 @@ class ChunkTopK:
         self.chunks = -(-numel // chunk)
         self.groups = -(-self.chunks // INT2_GROUP)
         self.index_dtype = torch.uint8 if chunk <= 256 else torch.int16
-        self.value_dtype = torch.bfloat16 if values == "bf16" else torch.int8
         n = self.chunks * topk
         scales = {"bf16": 0, "int8": self.chunks, "int2": 2 * self.groups}[values]
         # Sections ordered by element size, so every section starts aligned for its dtype.
-        sizes = [("scales", torch.float32, scales), ("index", self.index_dtype, n),
-                 ("values", self.value_dtype, 0 if values == "int2" else n)]
+        sizes = [("scales", torch.float32, scales), ("index", self.index_dtype, n)]
+        if values != "int2":  # (int2's values travel in the index bytes)
+            sizes.append(("values", torch.bfloat16 if values == "bf16" else torch.int8, n))
         sizes.sort(key=lambda s: -torch.empty((), dtype=s[1]).element_size())
         self.sections: List[Tuple[str, torch.dtype, int, int]] = []
         offset = 0
@@ -114,7 +116,7 @@ class ChunkTopK:
     def indices(self, view: dict, r0: int, r1: int) -> torch.Tensor:
         """The picked elements' positions in their chunks, rows ``r0:r1``, ``[r1 − r0, topk]`` int64."""
         index = view["index"][r0:r1]
-        return (index & (INT2_MAX_CHUNK - 1) if self.values == "int2" else index).long()
+        return (index & INT2_INDEX_MASK if self.values == "int2" else index).long()
 
     def dequantize(self, view: dict, r0: int, r1: int) -> torch.Tensor:
         """The fp32 values rows ``r0:r1`` of a payload ``view`` stand for, ``[r1 − r0, topk]``."""
@@ -133,12 +135,19 @@ class ChunkTopK:
     def encode_int2(self, view: dict, r0: int, r1: int, idx: torch.Tensor, picked: torch.Tensor) -> None:
         """Rows ``r0:r1`` (whole groups) of ``picked`` values at ``idx`` into the int2 payload
         ``view``: each group's (lo, hi) and each entry's byte, index | negative << 6 | high << 7."""
-        group = torch.arange(r1 - r0, device=picked.device) // INT2_GROUP
-        count = -(-(r1 - r0) // INT2_GROUP)  # (from the bounds: no host sync on a GPU)
+        assert r0 % INT2_GROUP == 0, "int2 encodes whole groups of chunks"
+        rows = r1 - r0
+        whole = rows // INT2_GROUP * INT2_GROUP
+        count = -(-rows // INT2_GROUP)
+        group = torch.arange(rows, device=picked.device) // INT2_GROUP
         magnitude = picked.abs()
 
-        def group_sum(x):
-            return torch.zeros(count, dtype=torch.float32, device=x.device).index_add_(0, group, x.float().sum(1))
+        def group_sum(x):  # [rows, topk] → [count]; a fixed order (index_add_ is atomic on CUDA)
+            x = x.float()
+            sums = [x[:whole].reshape(-1, INT2_GROUP * self.topk).sum(1)]
+            if whole < rows:
+                sums.append(x[whole:].sum().reshape(1))
+            return torch.cat(sums)
 
         mean = group_sum(magnitude) / group_sum(torch.ones_like(magnitude))
         high = magnitude >= mean[group].unsqueeze(1)

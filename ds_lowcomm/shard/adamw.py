@@ -32,6 +32,7 @@ class ShardAdamW:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
+        self._adamw_segments = [(seg.group, seg.start, seg.end) for seg in self.segments]
         self._fused = self.master.device.type in ("cuda", "cpu")
 
     def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0,
@@ -111,8 +112,9 @@ class ShardAdamW:
             values[start:end].mul_(param_groups[group]["betas"][which] ** updates)
 
     def adamw_segments(self) -> List[Tuple[int, int, int]]:
-        """``(group, start, end)`` of the shard elements AdamW updates: all of them."""
-        return [(seg.group, seg.start, seg.end) for seg in self.segments]
+        """``(group, start, end)`` of the shard elements AdamW updates (all of them; Muon's: those
+        outside its matrices)."""
+        return self._adamw_segments
 
     def sharded_state(self) -> dict:
         """This rank's shards, as a checkpoint keeps them (no copy, no communication)."""

@@ -152,10 +152,6 @@ class ShardMuon(ShardAdamW):
         ranges of it carry anything."""
         return [(a, b) for _, a, b in self.adamw_segments()] if key == "exp_avg_sq" else None
 
-    def adamw_segments(self) -> List[Tuple[int, int, int]]:
-        """``(group, start, end)``: the shard's segments outside every matrix."""
-        return self._adamw_segments
-
     def decay(self, key: str, values: torch.Tensor, updates: int, param_groups: Sequence[dict]) -> None:
         """AdamW's on its ranges; on the matrices Muon's momentum decays by ``MUON_MOMENTUM``^n
         (their ``exp_avg_sq`` stays zero: left as it is)."""
