@@ -251,12 +251,7 @@ def _save_before_choosing(rank, world, save_dir):
     import os
 
     engine = workers.build_engine(workers.config("automatic"))
-    try:
-        engine.save_checkpoint(save_dir)
-    except RuntimeError as err:
-        message = str(err)
-    else:
-        message = None
+    message = workers.raised(RuntimeError, engine.save_checkpoint, save_dir)
     return message, sorted(os.listdir(save_dir))
 
 

@@ -215,12 +215,7 @@ def _switch_inner_optimizer(rank, world, save_dir):
     workers.train(engine, 1, rank=rank)
     engine.save_checkpoint(save_dir)
     other = workers.build_engine(desloc_config(1, param_sync_every=2))
-    try:
-        other.load_checkpoint(save_dir)
-    except CheckpointError as err:
-        refused = str(err)
-    else:
-        refused = None
+    refused = workers.raised(CheckpointError, other.load_checkpoint, save_dir)
     weights = workers.build_engine(desloc_config(1, param_sync_every=2))
     weights.load_checkpoint(save_dir, load_optimizer_states=False)
     return refused, workers.params_digest(engine), workers.params_digest(weights)

@@ -89,6 +89,15 @@ def build_engine(cfg: dict, seed: int = 0, model=None):
     return engine
 
 
+def raised(exc_type, fn, *args, **kwargs) -> Optional[str]:
+    """The message of the ``exc_type`` that ``fn(*args, **kwargs)`` raises; None when it returns."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as err:
+        return str(err)
+    return None
+
+
 def params_digest(engine) -> str:
     h = hashlib.sha256()
     for p in engine.module.parameters():

@@ -253,11 +253,14 @@ class Checkpointer:
         tag_dir = os.path.join(load_dir, tag)
         opt = self.optimizer
         saved = _agreed(lambda: self._checked_meta(tag_dir, load_optimizer_states))
-        if opt.mode is None and load_optimizer_states:
-            # "mode": "automatic" before it has chosen: it resumes in the checkpoint's mode and layout
-            opt.adopt(upgrade_meta(saved))
         if load_optimizer_states:
-            _agreed(lambda: opt.check_saved(upgrade_meta(saved)))
+            meta = upgrade_meta(saved)
+            if opt.mode is None:
+                # "mode": "automatic" before it has chosen: it resumes in the checkpoint's mode and layout
+                opt.adopt(meta)
+            # Refused on every rank before anything is read (load_state_dict checks again, for
+            # callers that reach it directly).
+            _agreed(lambda: opt.check_saved(meta))
         shards = _agreed(lambda: self._read(tag_dir, load_optimizer_states, saved))
         opt.checkpoint_shards = shards
         try:

@@ -263,9 +263,8 @@ class ReplicaSyncs:
         self.settle()
         adamw.master.add_(self.result).sub_(self.launched)
         for key in self.in_flight:
-            delta = self.moment_wire[key].sub_(self.moment_launched[key])
-            adamw.decay(key, delta, adamw.step_count - self.launch_step, param_groups)
-            getattr(adamw, key).add_(delta)
+            apply_moment(adamw, key, self.moment_wire[key], self.moment_launched[key],
+                         adamw.step_count - self.launch_step, param_groups)
         self.in_flight = []
         self.ticket = self.finish_at = None
 
@@ -345,6 +344,15 @@ def average_ranges(replica, state: torch.Tensor, ranges) -> None:
 def saved_sync_result(keys) -> str:
     """The key of a saved streamed sync's result: the anchor where the run had one."""
     return "anchor" if "anchor" in keys else "sync_result"
+
+
+def apply_moment(adamw: ShardAdamW, key: str, mean: torch.Tensor, launched: torch.Tensor, updates: int,
+                 param_groups) -> None:
+    """A moment streamed with a parameter sync, applied: s ← s + β^n·(s̄ − s_launched), n =
+    ``updates`` since the launch (module doc). ``mean`` (s̄) is consumed."""
+    delta = mean.sub_(launched)
+    adamw.decay(key, delta, updates, param_groups)
+    getattr(adamw, key).add_(delta)
 
 
 def apply_saved_sync(keys, master: torch.Tensor, params: torch.Tensor, read, full) -> None:
@@ -556,7 +564,6 @@ class Desloc(Mode):
             else:
                 apply_saved_sync(keys, a.master, params, read, full)
                 for k in moments:
-                    delta = read(f"sync_result_{k}").sub_(read(f"sync_launched_{k}"))
-                    a.decay(k, delta, a.step_count - launch_step, self.ctx.param_groups)
-                    getattr(a, k).add_(delta)
+                    apply_moment(a, k, read(f"sync_result_{k}"), read(f"sync_launched_{k}"),
+                                 a.step_count - launch_step, self.ctx.param_groups)
         self.ctx.set_params(params)  # (the model file holds replica 0's parameters)

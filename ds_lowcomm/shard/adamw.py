@@ -32,7 +32,9 @@ class ShardAdamW:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
-        self._adamw_segments = [(seg.group, seg.start, seg.end) for seg in self.segments]
+        #: ``(group, start, end)`` of the shard elements AdamW updates: all of them here (Muon's:
+        #: those outside its matrices)
+        self.adamw_segments: List[Tuple[int, int, int]] = [(s.group, s.start, s.end) for s in self.segments]
         self._fused = self.master.device.type in ("cuda", "cpu")
 
     def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0,
@@ -43,19 +45,19 @@ class ShardAdamW:
         place) is converted to fp32 and scaled ``chunk`` elements at a time, so the update never
         holds an fp32 copy of the whole shard. AdamW is elementwise: the result is the same.
         """
-        self.adamw_ranges(grad, param_groups, factor, self.adamw_segments(), chunk)
+        self.step_segments(grad, param_groups, factor, self.adamw_segments, chunk)
         self.step_count += 1
 
-    def adamw_ranges(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float, ranges,
-                     chunk: int = CHUNK_BYTES // 4) -> None:
-        """The AdamW update of :meth:`step` on the shard elements of ``ranges`` (``(group, start,
+    def step_segments(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float, segments,
+                      chunk: int = CHUNK_BYTES // 4) -> None:
+        """The AdamW update of :meth:`step` on the shard elements of ``segments`` (``(group, start,
         end)`` each) alone, at the current step count, which it leaves as it is."""
         if grad.dtype == torch.float32 and factor != 1.0:
             raise ValueError("scale an fp32 gradient in place before the step")
         step = self.step_count
         lowp = grad.dtype != torch.float32
         scratch = temporary(min(chunk, grad.numel()), torch.float32, grad.device) if lowp else None
-        for group, start, end in ranges:
+        for group, start, end in segments:
             hp = param_groups[group]
             beta1, beta2 = hp["betas"]
             size = chunk if lowp else end - start
@@ -108,13 +110,8 @@ class ShardAdamW:
         ``key``'s earlier value: β1^n for ``exp_avg``, β2^n for ``exp_avg_sq``, each segment by its
         param group's betas (an EMA's m_{t+n} = β^n·m_t + the n gradients' terms)."""
         which = ("exp_avg", "exp_avg_sq").index(key)
-        for group, start, end in self.adamw_segments():
+        for group, start, end in self.adamw_segments:
             values[start:end].mul_(param_groups[group]["betas"][which] ** updates)
-
-    def adamw_segments(self) -> List[Tuple[int, int, int]]:
-        """``(group, start, end)`` of the shard elements AdamW updates (all of them; Muon's: those
-        outside its matrices)."""
-        return self._adamw_segments
 
     def sharded_state(self) -> dict:
         """This rank's shards, as a checkpoint keeps them (no copy, no communication)."""

@@ -104,7 +104,7 @@ class ShardMuon(ShardAdamW):
         #: the matrices this step touches: those overlapping the shard, and every cut one (its
         #: all-reduce is collective)
         self.matrices = [m for m in matrices if m.cut or (lo <= m.start and m.end <= hi)]
-        self._adamw_segments = self._complement(lo, hi)
+        self.adamw_segments = self._complement(lo, hi)
 
     def _complement(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
         """``(group, start, end)`` in shard coordinates: the shard's segments outside every matrix."""
@@ -127,10 +127,10 @@ class ShardMuon(ShardAdamW):
         """One update in place from the shard gradient ``factor · grad`` (fp32, ``factor`` 1; or
         2-byte sums, converted a chunk or a matrix at a time).
         Collective over the shard group where a matrix is cut (module doc for the bytes)."""
-        self.adamw_ranges(grad, param_groups, factor, self.adamw_segments())
+        self.step_segments(grad, param_groups, factor, self.adamw_segments)
         lo = self.layout.shard_start
         for m in self.matrices:
-            a, b = max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)  # the part in this shard
+            a, b = self._in_shard(m)
             u = self._nesterov(grad, factor, a, b) if a < b else None
             if m.cut:
                 whole = temporary(m.end - m.start, torch.float32, self.master.device).zero_()
@@ -150,7 +150,7 @@ class ShardMuon(ShardAdamW):
     def informative_ranges(self, key: str) -> Optional[List[Tuple[int, int]]]:
         """The matrices have no second moment (their ``exp_avg_sq`` stays zero): only the AdamW
         ranges of it carry anything."""
-        return [(a, b) for _, a, b in self.adamw_segments()] if key == "exp_avg_sq" else None
+        return [(a, b) for _, a, b in self.adamw_segments] if key == "exp_avg_sq" else None
 
     def decay(self, key: str, values: torch.Tensor, updates: int, param_groups: Sequence[dict]) -> None:
         """AdamW's on its ranges; on the matrices Muon's momentum decays by ``MUON_MOMENTUM``^n
@@ -158,11 +158,15 @@ class ShardMuon(ShardAdamW):
         super().decay(key, values, updates, param_groups)
         if key != "exp_avg":
             return
-        lo = self.layout.shard_start
         for m in self.matrices:
-            a, b = max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)
+            a, b = self._in_shard(m)
             if a < b:
                 values[a:b].mul_(MUON_MOMENTUM ** updates)
+
+    def _in_shard(self, m: Matrix) -> Tuple[int, int]:
+        """``[a, b)``: the part of matrix ``m`` in this shard, in shard coordinates (empty: a ≥ b)."""
+        lo = self.layout.shard_start
+        return max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)
 
     def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int) -> torch.Tensor:
         """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; returns U = (1 − β)·G + β·M (new)."""
