@@ -110,6 +110,40 @@ def test_bench_desloc_peers_configs(tmp_path):
 
 
 @pytest.mark.unit
+def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
+    """``MODE:KEY=VALUE`` entries run one mode at several settings side by side: each entry's
+    options go on top of --set's in its own config, named by the whole entry; an option the
+    entry's config does not have, a malformed one, or an entry named twice ends the bench in one
+    line before any run."""
+    from ds_lowcomm.bench import cli
+    from ds_lowcomm.bench.runs import write_config
+
+    entries = ["desloc-streamed", "desloc-streamed:desloc.param_sync_delay=4",
+               "desloc-streamed:desloc.param_sync_delay=8:desloc.param_sync_every=32"]
+    args = cli.parse_args(["--modes", ",".join(entries), "--regime", "slow", "--set", "desloc.param_sync_every=16",
+                           "--out", str(tmp_path)])
+    assert args.mode_list == entries
+    for entry in entries:
+        write_config(entry, args, tmp_path, 10)
+    desloc = [json.loads((tmp_path / "configs" / f"{e}.10.json").read_text())["lowcomm"]["desloc"] for e in entries]
+    # desloc_slow_link.json's periods (64, 192, 384), --set's 16, then each entry's own
+    assert [(d["param_sync_every"], d["param_sync_delay"]) for d in desloc] == [(16, 12), (16, 4), (32, 8)]
+    assert {d["momentum_sync_every"] for d in desloc} == {192}
+    for argv, message in [
+            (["--modes", "zero1,desloc:demo.topk=8"], "--modes desloc:demo.topk=8: demo.topk is not an option of "
+                                                      "its config (it runs desloc)"),
+            (["--modes", "ddp:comm_dtype=bf16"], "--modes ddp:comm_dtype=bf16: comm_dtype is not an option of its "
+                                                 "config (it runs no lowcomm section)"),
+            (["--modes", "desloc:param_sync_every"], "--modes desloc:param_sync_every: 'param_sync_every': expected "
+                                                     "KEY=VALUE"),
+            (["--modes", "desloc,desloc"], "an entry is named twice"),
+            (["--modes", "deslok:desloc.param_sync_every=4"], "--modes: unknown deslok")]:
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.unit
 def test_bench_keeps_finished_runs_when_one_fails(tmp_path, monkeypatch):
     """results.json after every run: a run that dies leaves the finished ones on disk, and the
     bench ends in one line naming the run (here the runs themselves are recorded, not trained)."""

@@ -21,7 +21,10 @@ plots into ``--out``:
   ``desloc-streamed`` (``"desloc": {"param_sync_delay": 12}``), ``desloc-muon``
   (``"desloc": {"inner_optimizer": "muon"}``), ``diloco``
   (DiLoCo, arXiv 2311.08105, as its users run it: ``desloc`` with the moments never averaged and an
-  outer Nesterov step of lr 0.7, momentum 0.9 every H = ``param_sync_every`` steps).
+  outer Nesterov step of lr 0.7, momentum 0.9 every H = ``param_sync_every`` steps);
+- ``MODE:KEY=VALUE[:KEY=VALUE...]``: a mode with options of its own, applied after ``--set``'s, so
+  one bench runs a mode at several settings side by side
+  (``desloc-streamed:desloc.param_sync_delay=4,desloc-streamed:desloc.param_sync_delay=8``).
 
 The headline is the training time until the validation loss reaches a target: ``--target``, or by
 default the final validation loss of the synchronous baseline (``ddp``, else ``deepspeed``, else

@@ -15,17 +15,14 @@ from ds_lowcomm.bench.link import Link, TwoNodeLink
 from ds_lowcomm.bench.report import report, save_results
 from ds_lowcomm.bench.runs import (CONFIGS, LOWCOMM_OPTIONS, MODELS, REGIMES, SYNC_STEPS,
                                    TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
-                                   config_name, run_one, write_config)
+                                   config_name, parse_setting, run_one, split_mode, write_config)
 
 
 def _setting(text: str):
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. demo.topk=8")
     try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+        return parse_setting(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _budgets(text: str) -> List[int]:
@@ -43,7 +40,9 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated, from: {', '.join(CONFIGS)} (default ideal,ddp,deepspeed,zero1,acco); "
-                         f"--regime uneven-trainer: from {', '.join(TRAINER_CONFIGS)} (default all)")
+                         f"--regime uneven-trainer: from {', '.join(TRAINER_CONFIGS)} (default all); "
+                         "MODE:KEY=VALUE[:KEY=VALUE...] runs a mode with options of its own, after --set's "
+                         "(desloc-streamed:desloc.param_sync_delay=4)")
     ap.add_argument("--regime", choices=REGIMES, default=None,
                     help="a preset link: fast, moderate, slow, uneven, two-node or uneven-trainer (see above)")
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 for two-node)")
@@ -96,7 +95,15 @@ def parse_args(argv=None):
     if args.modes is None:
         args.modes = ",".join(TRAINER_CONFIGS) if trainer else "ideal,ddp,deepspeed,zero1,acco"
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.mode_list if m not in known]
+    own = {}  # each entry's own settings (MODE:KEY=VALUE...)
+    for entry in args.mode_list:
+        try:
+            own[entry] = split_mode(entry)[1]
+        except ValueError as err:
+            ap.error(f"--modes {entry}: {err} after the mode (MODE:KEY=VALUE[:KEY=VALUE...])")
+    if len(set(args.mode_list)) < len(args.mode_list):
+        ap.error(f"--modes {args.modes}: an entry is named twice; give each its own settings or drop one")
+    bad = [m for m in (split_mode(e)[0] for e in args.mode_list) if m not in known]
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}{' under --regime uneven-trainer' if trainer else ''}; "
                  f"choose from {', '.join(known)}")
@@ -127,6 +134,13 @@ def parse_args(argv=None):
     if trainer and args.tokenizer != "byte":
         ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
     runs_modes = {m: _lowcomm_mode(m, args.regime) for m in args.mode_list}
+    for entry, settings in own.items():
+        for key, _ in settings:
+            head = key.split(".")[0]
+            if runs_modes[entry] is None or ("." in key and head != runs_modes[entry]):
+                ap.error(f"--modes {entry}: {key} is not an option of its config (it runs "
+                         f"{runs_modes[entry] or 'no lowcomm section'}); drop it, or put it on a "
+                         f"{head} mode")
     for key, _ in args.set:
         head = key.split(".")[0]
         if "." in key and head not in runs_modes.values():
@@ -138,10 +152,10 @@ def parse_args(argv=None):
     return args
 
 
-def _lowcomm_mode(mode: str, regime) -> "str | None":
-    """The ds_lowcomm mode that bench mode ``mode`` runs (None: a peer without a "lowcomm" section)."""
-    name = config_name(mode, regime)  # "ideal" runs zero1's config on single-rank trainings
-    if name is None or (regime == "uneven-trainer" and mode == "deepspeed"):
+def _lowcomm_mode(entry: str, regime) -> "str | None":
+    """The ds_lowcomm mode that a --modes entry runs (None: a peer without a "lowcomm" section)."""
+    name = config_name(entry, regime)  # "ideal" runs zero1's config on single-rank trainings
+    if name is None or (regime == "uneven-trainer" and split_mode(entry)[0] == "deepspeed"):
         return None
     return json.loads(Path(configs.path(name)).read_text()).get("lowcomm", {}).get("mode")
 
@@ -188,12 +202,14 @@ def main(argv=None) -> dict:
                                            "set", "repeat", "seed", "regime", "evals", "powersgd_rank")}
     config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency, steps=max(args.budgets),
                   command=command)
-    for mode in args.mode_list:
+    for entry in args.mode_list:
+        mode, own = split_mode(entry)
         if mode != "ideal":
-            name = config_name(mode, args.regime)
+            name = config_name(entry, args.regime)
             changed = VARIANTS.get(mode) or LOWCOMM_OPTIONS.get(mode)
-            print(f"{mode}: " + (f"ds_configs/{name}" if name else "no DeepSpeed (the Trainer's DDP)")
+            print(f"{entry}: " + (f"ds_configs/{name}" if name else "no DeepSpeed (the Trainer's DDP)")
                   + (f" with {changed}" if changed else "")
+                  + (f", then {dict(own)}" if own else "")
                   + (" without its \"lowcomm\" section" if args.regime == "uneven-trainer" and mode == "deepspeed"
                      else ""), flush=True)
     total = len(args.mode_list) * len(args.budgets) * args.repeat

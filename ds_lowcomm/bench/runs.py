@@ -105,15 +105,52 @@ MODELS = {  # name: (n_layer, n_head, n_embd, block_size)
 }
 
 
-def config_name(mode: str, regime: Optional[str]) -> Optional[str]:
-    """The shipped config (in ds_configs/) ``mode`` starts from under ``regime`` (None: no DeepSpeed)."""
+def parse_setting(text: str) -> Tuple[str, object]:
+    """``KEY=VALUE`` (a "lowcomm" option, e.g. ``demo.topk=8``; VALUE read as JSON where it parses,
+    else as a string); ValueError names the expected form."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"{text!r}: expected KEY=VALUE, e.g. demo.topk=8")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def split_mode(entry: str) -> Tuple[str, List[Tuple[str, object]]]:
+    """A ``--modes`` entry, ``MODE[:KEY=VALUE...]``: the bench mode and the options that entry alone
+    runs with (``--set``'s syntax, applied after ``--set``), so one bench can run a mode at several
+    settings side by side (``desloc-streamed:desloc.param_sync_delay=4``). The whole entry is the
+    run's label in the logs and tables."""
+    mode, *settings = entry.split(":")
+    return mode, [parse_setting(s) for s in settings]
+
+
+def config_name(entry: str, regime: Optional[str]) -> Optional[str]:
+    """The shipped config (in ds_configs/) ``entry``'s mode starts from under ``regime`` (None: no DeepSpeed)."""
+    mode = split_mode(entry)[0]
     if regime == "uneven-trainer":
         return TRAINER_CONFIGS[mode]
     return REGIME_CONFIGS.get(regime, {}).get(mode, CONFIGS[mode])
 
 
-def write_config(mode: str, args, out: Path, steps: int) -> Optional[Path]:
-    name = config_name(mode, args.regime)
+def apply_setting(cfg: dict, key: str, value) -> None:
+    """Set "lowcomm" option ``key`` (dotted) in ``cfg``: ``demo.topk`` only touches a demo config,
+    ``comm_dtype`` every config with a "lowcomm" section."""
+    section = cfg.get("lowcomm")
+    head, *rest = key.split(".")
+    if section is None or (rest and head != section["mode"]):
+        return
+    node = section
+    for k in key.split(".")[:-1]:
+        node = node.setdefault(k, {})
+    node[key.split(".")[-1]] = value
+
+
+def write_config(entry: str, args, out: Path, steps: int) -> Optional[Path]:
+    """``entry``'s config for a ``steps``-step run, written to ``out/configs`` (None: no DeepSpeed)."""
+    name = config_name(entry, args.regime)
+    mode, own = split_mode(entry)
     if name is None:
         return None
     cfg = json.loads(Path(configs.path(name)).read_text())
@@ -136,16 +173,9 @@ def write_config(mode: str, args, out: Path, steps: int) -> Optional[Path]:
         cfg["lowcomm"]["comm_dtype"] = args.comm_dtype
     if args.acco_wait and "acco" in cfg.get("lowcomm", {}):
         cfg["lowcomm"]["acco"]["accumulate_while_waiting"] = False
-    for key, value in args.set:
-        section = cfg.get("lowcomm")
-        head, *rest = key.split(".")
-        if section is None or (rest and head != section["mode"]):
-            continue  # "demo.topk" only touches the demo config; "comm_dtype" every lowcomm one
-        node = section
-        for k in key.split(".")[:-1]:
-            node = node.setdefault(k, {})
-        node[key.split(".")[-1]] = value
-    path = out / "configs" / f"{mode}.{steps}.json"
+    for key, value in args.set + own:
+        apply_setting(cfg, key, value)
+    path = out / "configs" / f"{entry}.{steps}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg, indent=2))
     return path
@@ -153,6 +183,7 @@ def write_config(mode: str, args, out: Path, steps: int) -> Optional[Path]:
 
 def train_command(args, mode: str, config: Path, nproc: int, log_json: Path, slow: str, link: "Link",
                   steps: int, launcher: Optional[List[str]] = None) -> List[str]:
+    mode = split_mode(mode)[0]
     n_layer, n_head, n_embd, block = MODELS[args.model]
     launcher = launcher or ["--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     script = [str(TRAIN_DDP), "--powersgd-rank", str(args.powersgd_rank if mode == "ddp-powersgd" else 0)] \
@@ -228,7 +259,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
         result["mode"] = mode
         result["records"] = read_records(log_json)
         return result
-    if mode == "ideal":
+    if split_mode(mode)[0] == "ideal":
         # W single-rank trainings at once: same per-rank work and machine load, no communication.
         # A slowed rank keeps its slowdown.
         slow = dict(p.split(":") for p in args.slow_rank.split(",") if p) if args.slow_rank else {}
