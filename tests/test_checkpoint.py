@@ -367,10 +367,11 @@ def _load_per_rank(rank, world, save_dir, mode):
 
 def _applied_sync(master, saved, numel):
     """A streamed sync saved in flight, applied at the load to the replicas' mean ``master``: plus
-    its result (the same on both), minus the mean of each replica's master at the launch."""
+    its result (the same on both), minus the mean of each replica's master at the launch (the
+    local progress first: where nothing moved since the launch, exactly the result)."""
     (ra, rb), (la, lb) = ([s["shards"][k][:numel] for s in saved] for k in ("sync_result", "sync_launched"))
     assert torch.equal(ra, rb) and not torch.equal(la, lb)
-    return master + (ra + rb) / 2 - (la + lb) / 2
+    return master - (la + lb) / 2 + (ra + rb) / 2
 
 
 @pytest.mark.parametrize("mode", list(PER_RANK))
@@ -464,7 +465,7 @@ def test_a_weights_only_load_applies_the_streamed_sync_in_flight(tmp_path):
     numel = run_ranks(_save_per_rank, 2, str(tmp_path), "desloc-streamed")[0]
     tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
     shards = torch.load(tag / "lowcomm_rank00000.pt", weights_only=True)["shards"]
-    want = shards["master"][:numel] + shards["sync_result"][:numel] - shards["sync_launched"][:numel]
+    want = shards["master"][:numel] - shards["sync_launched"][:numel] + shards["sync_result"][:numel]
     for params, idle in run_ranks(_load_weights_only, 2, str(tmp_path)):
         assert idle and torch.equal(params, want)
         assert not torch.equal(params, shards["master"][:numel])

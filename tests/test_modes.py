@@ -40,8 +40,8 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     built here as the optimizer builds it; returns, flat, after each step, the model's parameters
     (after a flush) or, ``record="master"``, the mode's fp32 master (acco: a flush would move the
     model off the estimate the next micro-batch is computed at; desloc's streamed syncs: a flush
-    applies the sync in flight) or ``"local"``, desloc's master shard with ``shard_group_size`` 1
-    (reading it waits for nothing). ``hold_worker_until`` t: the replica collectives the comm worker
+    applies the sync in flight), ``"local"``, desloc's master shard with ``shard_group_size`` 1
+    (reading it waits for nothing) or ``"moments"``, desloc's first moment after a flush. ``hold_worker_until`` t: the replica collectives the comm worker
     runs wait until step t has ended on the training thread (``"held_too_long"``: they gave up
     after 20 s, so the training thread was waiting for them). ``cross_at`` t: in step t, a
     replica collective of the training thread and one of the worker are issued in opposite orders
@@ -118,6 +118,9 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
             after.append(mode.adamw.master[:flat.layout.numel].clone())
         elif record == "master":
             after.append(mode.master_weights())
+        elif record == "moments":  # desloc's first moment, after a flush
+            mode.flush()
+            after.append(mode.adamw.exp_avg.clone())
         else:
             mode.flush()
             after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
@@ -319,14 +322,21 @@ def test_desloc_streamed_syncs_apply_late_with_the_local_progress(kx, ku, delay,
 
 def test_desloc_flush_applies_the_streamed_sync_in_flight():
     """A flush (before an export) applies the sync in flight at once: flushed after every step,
-    a streamed run is the synchronous one, θ ← x̄ + (θ_t − θ_t)."""
-    periods = dict(param_sync_every=2, momentum_sync_every=3, variance_sync_every=4)
+    a streamed run is the synchronous one, θ ← x̄ + (θ_t − θ_t), and right after a sync the
+    replicas agree bit for bit (x̄ itself, not x̄ + θ_t − θ_t rounded), the moments launched
+    with it too (Ku 2: every sync carries the first moment)."""
+    periods = dict(param_sync_every=2, momentum_sync_every=2, variance_sync_every=4)
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1,
                                     "desloc": {**periods, "param_sync_delay": 1}}, 0.0, "params")
-    ref = _desloc_reference(2, 3, 4)
+    ref = _desloc_reference(2, 2, 4)
     for t in range(STEPS):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+    moments = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1,
+                                    "desloc": {**periods, "param_sync_delay": 1}}, 0.0, "moments")
+    for t in range(STEPS):
+        for res in (results, moments):
+            assert torch.equal(res[0]["after"][t], res[1]["after"][t]) is ((t + 1) % 2 == 0), t
 
 
 def test_desloc_streamed_sync_runs_while_the_steps_compute():

@@ -43,13 +43,34 @@ MODES = {
                      "demo": {"overlap": True, "topk": 64, "chunk": 64, "values": "sign", "tiling": "matrix"}},
     "desloc": {"mode": "desloc", "shard_group_size": 1,
                "desloc": {"param_sync_every": 16, "momentum_sync_every": 48, "variance_sync_every": 96}},
+    # Muon's local step, the syncs streamed 2 steps behind on the comm worker, the moments with them
+    "desloc-streamed": {"mode": "desloc", "shard_group_size": 1,
+                        "desloc": {"param_sync_every": 16, "momentum_sync_every": 32, "variance_sync_every": 64,
+                                   "param_sync_delay": 2, "inner_optimizer": "muon"}},
+    # the same, the parameter syncs compressed to int2 (top-4 of 64), the moments never averaged
+    "desloc-int2": {"mode": "desloc", "shard_group_size": 1,
+                    "desloc": {"param_sync_every": 16, "momentum_sync_every": 0, "variance_sync_every": 0,
+                               "sync_topk": 4, "sync_values": "int2", "param_sync_delay": 2,
+                               "inner_optimizer": "muon"}},
 }
-DESLOC_EVERY_4 = {"desloc": {"param_sync_every": 4, "momentum_sync_every": 8, "variance_sync_every": 16}}
 ACCO_FIXED = {"acco": {"variant": "acco", "accumulate_while_waiting": False, "balance": False}}
 #: relative tolerance of zero1's final training loss against stock DeepSpeed's on the same device
 PARITY = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2}
 #: two-rank runs: each mode's final loss within this of the CPU reference
 CPU_REFERENCE_TOLERANCE = 0.02
+
+
+def every_4(mode: str) -> dict | None:
+    """desloc's replicas agree right after a parameter sync (a streamed one once
+    ``examples/train.py`` flushes it at the end): syncs every 4 steps, the last one included, and
+    the moments every 8 and 16 where they are averaged at all. None for the other modes."""
+    if (MODES[mode] or {}).get("mode") != "desloc":
+        return None
+    desloc = dict(MODES[mode]["desloc"], param_sync_every=4)
+    for key, every in (("momentum_sync_every", 8), ("variance_sync_every", 16)):
+        if desloc[key]:
+            desloc[key] = every
+    return {"desloc": desloc}
 
 
 def config(mode: str, dtype: str, steps: int, mbs: int, gas: int, lowcomm: dict | None = None) -> dict:
@@ -363,9 +384,7 @@ def call2(plan: Plan, modes) -> dict:
     steps = 8 if plan.dry else 40
     small = dict(steps=steps, ranks=2, mbs=4, gas=4, one_gpu_gloo=True)
     names = [m for m in modes if m != "stock"]
-    # desloc's replicas agree right after a parameter sync: every 4 steps here, the last one included
-    runs = {f"{m}-2ranks": dict(mode=m, dtype="fp32", **small, lowcomm=DESLOC_EVERY_4 if m == "desloc" else None)
-            for m in names}
+    runs = {f"{m}-2ranks": dict(mode=m, dtype="fp32", **small, lowcomm=every_4(m)) for m in names}
     if "acco" in names:
         runs["acco-slow-2ranks"] = dict(mode="acco", dtype="fp32", extra=("--slow-ranks", "1:2"), **small)
     # acco's round sizes follow timing (accumulate_while_waiting, balance): the resume check

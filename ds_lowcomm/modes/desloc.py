@@ -261,7 +261,10 @@ class ReplicaSyncs:
         β its decay (``adamw.decay``, from ``param_groups``' betas): exactly the moment an EMA
         would hold had it started from the mean at the launch (module doc)."""
         self.settle()
-        adamw.master.add_(self.result).sub_(self.launched)
+        # result + (master − launched), in this order: exactly the result where nothing moved
+        # since the launch (a flush right after it), so the replicas then agree bit for bit
+        torch.sub(adamw.master, self.launched, out=self.launched)
+        adamw.master.copy_(self.result).add_(self.launched)
         for key in self.in_flight:
             apply_moment(adamw, key, self.moment_wire[key], self.moment_launched[key],
                          adamw.step_count - self.launch_step, param_groups)
@@ -349,10 +352,12 @@ def saved_sync_result(keys) -> str:
 def apply_moment(adamw: ShardAdamW, key: str, mean: torch.Tensor, launched: torch.Tensor, updates: int,
                  param_groups) -> None:
     """A moment streamed with a parameter sync, applied: s ← s + β^n·(s̄ − s_launched), n =
-    ``updates`` since the launch (module doc). ``mean`` (s̄) is consumed."""
-    delta = mean.sub_(launched)
-    adamw.decay(key, delta, updates, param_groups)
-    getattr(adamw, key).add_(delta)
+    ``updates`` since the launch (module doc). ``mean`` (s̄) and ``launched`` are consumed.
+    Computed as (s − β^n·s_launched) + β^n·s̄: exactly s̄ where the replica made no update since
+    the launch (a flush right after it), so the replicas then agree bit for bit."""
+    adamw.decay(key, launched, updates, param_groups)
+    adamw.decay(key, mean, updates, param_groups)
+    getattr(adamw, key).sub_(launched).add_(mean)
 
 
 def apply_saved_sync(keys, master: torch.Tensor, params: torch.Tensor, read, full) -> None:
@@ -360,8 +365,8 @@ def apply_saved_sync(keys, master: torch.Tensor, params: torch.Tensor, read, ful
     ``params`` (the full parameters) += result − the master at its launch, ``read``/``full``
     reading a key's shard or whole vector."""
     result = saved_sync_result(keys)
-    master.add_(read(result)).sub_(read("sync_launched"))
-    params.add_(full(result)).sub_(full("sync_launched"))
+    master.sub_(read("sync_launched")).add_(read(result))  # (as finish_param_sync's order)
+    params.sub_(full("sync_launched")).add_(full(result))
 
 
 class DeslocRound(ShardedStepRound):
