@@ -114,7 +114,7 @@ def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
     """``MODE:KEY=VALUE`` entries run one mode at several settings side by side: each entry's
     options go on top of --set's in its own config, named by the whole entry; an option the
     entry's config does not have, a malformed one, or an entry named twice ends the bench in one
-    line before any run."""
+    line before any run, as do options on ``ideal`` (no config of its own to run them)."""
     from ds_lowcomm.bench import cli
     from ds_lowcomm.bench.runs import write_config
 
@@ -133,7 +133,8 @@ def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
             (["--modes", "zero1,desloc:demo.topk=8"], "--modes desloc:demo.topk=8: demo.topk is not an option of "
                                                       "its config (it runs desloc)"),
             (["--modes", "ddp:comm_dtype=bf16"], "--modes ddp:comm_dtype=bf16: comm_dtype is not an option of its "
-                                                 "config (it runs no lowcomm section)"),
+                                                 "config (it runs no lowcomm section); drop it\n"),
+            (["--modes", "ideal:comm_dtype=bf16"], "ideal (no communication, the pace limit) takes no options"),
             (["--modes", "desloc:param_sync_every"], "--modes desloc:param_sync_every: 'param_sync_every': expected "
                                                      "KEY=VALUE"),
             (["--modes", "desloc,desloc"], "an entry is named twice"),

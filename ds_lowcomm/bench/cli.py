@@ -42,7 +42,7 @@ def parse_args(argv=None):
                     help=f"comma-separated, from: {', '.join(CONFIGS)} (default ideal,ddp,deepspeed,zero1,acco); "
                          f"--regime uneven-trainer: from {', '.join(TRAINER_CONFIGS)} (default all); "
                          "MODE:KEY=VALUE[:KEY=VALUE...] runs a mode with options of its own, after --set's "
-                         "(desloc-streamed:desloc.param_sync_delay=4)")
+                         "(desloc-streamed:desloc.param_sync_delay=4; a VALUE holding ':' or ',' needs --set)")
     ap.add_argument("--regime", choices=REGIMES, default=None,
                     help="a preset link: fast, moderate, slow, uneven, two-node or uneven-trainer (see above)")
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 for two-node)")
@@ -135,12 +135,15 @@ def parse_args(argv=None):
         ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
     runs_modes = {m: _lowcomm_mode(m, args.regime) for m in args.mode_list}
     for entry, settings in own.items():
+        if settings and split_mode(entry)[0] == "ideal":
+            ap.error(f"--modes {entry}: ideal (no communication, the pace limit) takes no options; "
+                     f"drop them")
         for key, _ in settings:
             head = key.split(".")[0]
             if runs_modes[entry] is None or ("." in key and head != runs_modes[entry]):
                 ap.error(f"--modes {entry}: {key} is not an option of its config (it runs "
-                         f"{runs_modes[entry] or 'no lowcomm section'}); drop it, or put it on a "
-                         f"{head} mode")
+                         f"{runs_modes[entry] or 'no lowcomm section'}); drop it"
+                         + (f", or put it on a {head} mode" if "." in key else ""))
     for key, _ in args.set:
         head = key.split(".")[0]
         if "." in key and head not in runs_modes.values():

@@ -121,7 +121,7 @@ def split_mode(entry: str) -> Tuple[str, List[Tuple[str, object]]]:
     """A ``--modes`` entry, ``MODE[:KEY=VALUE...]``: the bench mode and the options that entry alone
     runs with (``--set``'s syntax, applied after ``--set``), so one bench can run a mode at several
     settings side by side (``desloc-streamed:desloc.param_sync_delay=4``). The whole entry is the
-    run's label in the logs and tables."""
+    run's label in the logs and tables. A VALUE cannot hold ``:`` or ``,`` (the separators)."""
     mode, *settings = entry.split(":")
     return mode, [parse_setting(s) for s in settings]
 
