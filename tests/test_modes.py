@@ -40,9 +40,9 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     built here as the optimizer builds it; returns, flat, after each step, the model's parameters
     (after a flush) or, ``record="master"``, the mode's fp32 master (acco: a flush would move the
     model off the estimate the next micro-batch is computed at; desloc's streamed syncs: a flush
-    applies the sync in flight), ``"local"``, desloc's master shard with ``shard_group_size`` 1
-    (reading it waits for nothing) or ``"moments"``, desloc's first moment after a flush. ``hold_worker_until`` t: the replica collectives the comm worker
-    runs wait until step t has ended on the training thread (``"held_too_long"``: they gave up
+    applies the sync in flight) or ``"local"``, desloc's master shard with ``shard_group_size`` 1
+    (reading it waits for nothing); with the parameters, desloc's first moment after the flush
+    (``"moments"``). ``hold_worker_until`` t: the replica collectives the comm worker runs wait until step t has ended on the training thread (``"held_too_long"``: they gave up
     after 20 s, so the training thread was waiting for them). ``cross_at`` t: in step t, a
     replica collective of the training thread and one of the worker are issued in opposite orders
     on ranks 0 and 1 if both are allowed to run at once (each waits up to 3 s for the other)."""
@@ -52,6 +52,7 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     from ds_lowcomm.comm.worker import CommWorker
     from ds_lowcomm.config import parse
     from ds_lowcomm.modes import MODES
+    from ds_lowcomm.modes.desloc import Desloc
     from ds_lowcomm.shard.context import ModeContext
     from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 
@@ -101,7 +102,7 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
             setattr(topo.replica, name, held)
     mode = mode_cls(ctx, cfg.mode_options)
     mode.bind_loop(False)
-    after = []
+    after, moments = [], []
     for t in range(n_steps):
         step_now_index[0] = t
         grads.attach()
@@ -118,16 +119,15 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
             after.append(mode.adamw.master[:flat.layout.numel].clone())
         elif record == "master":
             after.append(mode.master_weights())
-        elif record == "moments":  # desloc's first moment, after a flush
-            mode.flush()
-            after.append(mode.adamw.exp_avg.clone())
         else:
             mode.flush()
             after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+            if isinstance(mode, Desloc):
+                moments.append(mode.adamw.exp_avg.clone())
     if worker is not None:
         worker.close()
     torch.distributed.destroy_process_group()
-    return {"after": after, "steps": steps[0], "bytes": stats.as_dict()["ops"], "held_too_long": held_too_long}
+    return {"after": after, "moments": moments, "steps": steps[0], "bytes": stats.as_dict()["ops"], "held_too_long": held_too_long}
 
 
 def _grad(model, rank, t):
@@ -332,11 +332,9 @@ def test_desloc_flush_applies_the_streamed_sync_in_flight():
     for t in range(STEPS):
         for r, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
-    moments = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1,
-                                    "desloc": {**periods, "param_sync_delay": 1}}, 0.0, "moments")
     for t in range(STEPS):
-        for res in (results, moments):
-            assert torch.equal(res[0]["after"][t], res[1]["after"][t]) is ((t + 1) % 2 == 0), t
+        for key in ("after", "moments"):
+            assert torch.equal(results[0][key][t], results[1][key][t]) is ((t + 1) % 2 == 0), (key, t)
 
 
 def test_desloc_streamed_sync_runs_while_the_steps_compute():

@@ -95,15 +95,15 @@ def parse_args(argv=None):
     if args.modes is None:
         args.modes = ",".join(TRAINER_CONFIGS) if trainer else "ideal,ddp,deepspeed,zero1,acco"
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    own = {}  # each entry's own settings (MODE:KEY=VALUE...)
+    parsed = {}  # entry: (mode, its own settings)
     for entry in args.mode_list:
         try:
-            own[entry] = split_mode(entry)[1]
+            parsed[entry] = split_mode(entry)
         except ValueError as err:
             ap.error(f"--modes {entry}: {err} after the mode (MODE:KEY=VALUE[:KEY=VALUE...])")
-    if len(set(args.mode_list)) < len(args.mode_list):
+    if len(parsed) < len(args.mode_list):
         ap.error(f"--modes {args.modes}: an entry is named twice; give each its own settings or drop one")
-    bad = [m for m in (split_mode(e)[0] for e in args.mode_list) if m not in known]
+    bad = [mode for mode, _ in parsed.values() if mode not in known]
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}{' under --regime uneven-trainer' if trainer else ''}; "
                  f"choose from {', '.join(known)}")
@@ -134,8 +134,8 @@ def parse_args(argv=None):
     if trainer and args.tokenizer != "byte":
         ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
     runs_modes = {m: _lowcomm_mode(m, args.regime) for m in args.mode_list}
-    for entry, settings in own.items():
-        if settings and split_mode(entry)[0] == "ideal":
+    for entry, (mode, settings) in parsed.items():
+        if settings and mode == "ideal":
             ap.error(f"--modes {entry}: ideal (no communication, the pace limit) takes no options; "
                      f"drop them")
         for key, _ in settings:

@@ -259,7 +259,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
         result["mode"] = mode
         result["records"] = read_records(log_json)
         return result
-    if split_mode(mode)[0] == "ideal":
+    if mode == "ideal":  # (it takes no options: parse_args refuses them)
         # W single-rank trainings at once: same per-rank work and machine load, no communication.
         # A slowed rank keeps its slowdown.
         slow = dict(p.split(":") for p in args.slow_rank.split(",") if p) if args.slow_rank else {}

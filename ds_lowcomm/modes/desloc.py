@@ -261,10 +261,9 @@ class ReplicaSyncs:
         β its decay (``adamw.decay``, from ``param_groups``' betas): exactly the moment an EMA
         would hold had it started from the mean at the launch (module doc)."""
         self.settle()
-        # result + (master − launched), in this order: exactly the result where nothing moved
+        # (master − launched) + result, in this order: exactly the result where nothing moved
         # since the launch (a flush right after it), so the replicas then agree bit for bit
-        torch.sub(adamw.master, self.launched, out=self.launched)
-        adamw.master.copy_(self.result).add_(self.launched)
+        adamw.master.sub_(self.launched).add_(self.result)
         for key in self.in_flight:
             apply_moment(adamw, key, self.moment_wire[key], self.moment_launched[key],
                          adamw.step_count - self.launch_step, param_groups)
