@@ -10,7 +10,7 @@ from dist import free_port
 
 pytestmark = pytest.mark.integration
 
-TIMEOUT_S = 20
+TIMEOUT_S = 12
 HERE = os.path.dirname(__file__)
 
 

@@ -1,5 +1,6 @@
 """``tools/gpu_check.sh --dry-run``: the GPU check's whole plan on the CPU, so it keeps working
-between the rare runs on a GPU machine (three modes here; the GPU run takes every mode)."""
+between the rare runs on a GPU machine (two modes here, acco for its call-2 checks and desloc-int2
+for the comm worker's streamed syncs; the GPU run takes every mode)."""
 import pytest
 import json
 import os
@@ -16,20 +17,19 @@ def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     res = subprocess.run([str(ROOT / "tools" / "gpu_check.sh"), "all", str(out), "--dry-run",
-                          "--modes", "zero1,acco,desloc-int2", "--jobs", "2"], env=env, capture_output=True, text=True,
+                          "--modes", "acco,desloc-int2", "--jobs", "2"], env=env, capture_output=True, text=True,
                          timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     call1, call2, call3 = (json.loads((out / f"call{i}.json").read_text()) for i in (1, 2, 3))
     assert call1["versions"]["deepspeed"] == "0.19.8"
-    assert {k for k, v in call1["runs"].items() if "final_train_loss" in v} == {"zero1-fp32", "acco-fp32",
-                                                                                 "desloc-int2-fp32"}
+    assert {k for k, v in call1["runs"].items() if "final_train_loss" in v} == {"acco-fp32", "desloc-int2-fp32"}
     checks = call2["checks"]
     # desloc (Muon, int2 syncs streamed 2 steps behind): the run ends on a sync, flushed by
     # examples/train.py, so its replicas agree bit for bit as the others' do
-    assert all(checks[m]["replicas_identical"] for m in ("zero1", "acco", "desloc-int2")), checks
+    assert all(checks[m]["replicas_identical"] for m in ("acco", "desloc-int2")), checks
     # acco with fixed rounds, saved (asynchronously) at half way and resumed: the same loss as
     # the run that was never interrupted
     assert checks["acco-async-save-resume"]["rel"] == 0.0, checks["acco-async-save-resume"]
     mb = checks["acco-slow"]["micro_batches_per_round"]
     assert mb[0] > mb[1], mb  # the slowed rank 1 computes fewer
-    assert all(call3[m]["tokens_per_s"] > 0 for m in ("zero1", "acco", "desloc-int2"))
+    assert all(call3[m]["tokens_per_s"] > 0 for m in ("acco", "desloc-int2"))
