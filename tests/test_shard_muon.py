@@ -78,3 +78,31 @@ def test_a_streamed_moment_decays_by_each_parts_own_rate():
                 rate = groups[0 if i < 9 else 1]["betas"][which]
             want[a:a + p.numel()] = rate ** 3
         assert torch.equal(values, want), key
+
+
+def test_whole_matrices_are_orthogonalised_in_batches_of_one_shape(monkeypatch):
+    """The shard's whole matrices go to Newton–Schulz a batch of one shape at a time, each batch
+    at most ``NS_BATCH_ELEMENTS`` elements (a larger matrix alone), so the stacked temporaries
+    never grow with the model; a matrix a shard boundary cuts is never in a batch (it is made
+    whole by its all-reduce first). Shapes written from the tiny GPT-2's blocks, not taken from
+    the library."""
+    import ds_lowcomm.shard.muon as muon
+    from ds_lowcomm.shard.flat import FlatParams
+
+    def shapes(world, rank):
+        model = workers.tiny_gpt2(0)
+        flat = FlatParams([{"params": list(model.parameters())}], world=world, rank=rank)
+        found = muon.muon_matrices(flat, list(model.modules()))
+        opt = muon.ShardMuon(flat.layout, flat.buffer, found, None)
+        starts = [m.start for b in opt.batches for m in b]
+        assert len(starts) == len(set(starts)) and not any(m.cut for b in opt.batches for m in b)
+        return [[(m.rows, m.cols) for m in b] for b in opt.batches]
+
+    c_attn, c_proj, c_fc, mlp_proj = (32, 96), (32, 32), (32, 128), (128, 32)
+    assert shapes(1, 0) == [[c_attn] * 2, [c_proj] * 2, [c_fc] * 2, [mlp_proj] * 2]
+    monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", 32 * 96)
+    assert shapes(1, 0) == [[c_attn], [c_attn], [c_proj] * 2, [c_fc], [c_fc], [mlp_proj], [mlp_proj]]
+    # two shards: each holds its whole matrices, the cut one in neither's batches
+    monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", 1 << 25)
+    halves = shapes(2, 0) + shapes(2, 1)
+    assert sum(len(b) for b in halves) == 8 - 1

@@ -43,6 +43,10 @@ MODES = {
                      "demo": {"overlap": True, "topk": 64, "chunk": 64, "values": "sign", "tiling": "matrix"}},
     "desloc": {"mode": "desloc", "shard_group_size": 1,
                "desloc": {"param_sync_every": 16, "momentum_sync_every": 48, "variance_sync_every": 96}},
+    # Muon's local step, synchronous syncs
+    "desloc-muon": {"mode": "desloc", "shard_group_size": 1,
+                    "desloc": {"param_sync_every": 16, "momentum_sync_every": 32, "variance_sync_every": 64,
+                               "inner_optimizer": "muon"}},
     # Muon's local step, the syncs streamed 2 steps behind on the comm worker, the moments with them
     "desloc-streamed": {"mode": "desloc", "shard_group_size": 1,
                         "desloc": {"param_sync_every": 16, "momentum_sync_every": 32, "variance_sync_every": 64,

@@ -34,22 +34,32 @@ MUON_MOMENTUM = 0.95
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: fast growth of small singular values
 NS_STEPS = 5
 RMS_MATCH = 0.2  # Moonlight's factor: an AdamW update's RMS is about 0.2 (their section 2.2)
+#: at most this many elements in one batch of same-shape matrices: bounds the batch's stacked
+#: temporaries (fp32 U, the bf16 or fp32 iterate) by a constant, not by the model; a matrix
+#: larger than this is a batch of its own
+NS_BATCH_ELEMENTS = 1 << 25
 
 
 def newton_schulz(u: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
-    """About the orthogonal factor of ``u`` (2-D), contiguous: singular values pushed into about
-    [0.7, 1.2]. In bf16 on CUDA, as Muon's authors run it (the iteration tolerates it, and its
-    matmuls are most of the step's cost); in fp32 elsewhere (CPU bf16 matmuls are slower)."""
+    """About the orthogonal factor of ``u``, a matrix or a batch of matrices of one shape
+    (``n × rows × cols``, each orthogonalised on its own), contiguous: singular values pushed into
+    about [0.7, 1.2]. In bf16 on CUDA, as Muon's authors run it (the iteration tolerates it, and its
+    matmuls are most of the step's cost); in fp32 elsewhere. Each iteration is two fused
+    ``baddbmm`` and one matmul, X ← aX + (bA + cA²)X with A = XXᵀ, on the wide orientation."""
     a, b, c = NS_COEFFS
     x = u.to(torch.bfloat16 if u.is_cuda else torch.float32)
-    x = x / (x.norm() + 1e-7)
-    tall = x.shape[0] > x.shape[1]
+    one = x.dim() == 2
+    if one:
+        x = x.unsqueeze(0)
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-7)
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
     for _ in range(steps):
         g = x @ x.mT
-        x = a * x + (b * g + c * (g @ g)) @ x
-    return (x.mT if tall else x).contiguous()
+        x = torch.baddbmm(x, torch.baddbmm(g, g, g, beta=b, alpha=c), x, beta=a)
+    x = x.mT if tall else x
+    return (x[0] if one else x).contiguous()
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,8 @@ class ShardMuon(ShardAdamW):
         #: all-reduce is collective)
         self.matrices = [m for m in matrices if m.cut or (lo <= m.start and m.end <= hi)]
         self.adamw_segments = self._complement(lo, hi)
+        #: the whole matrices of the shard, by shape, in batches of at most NS_BATCH_ELEMENTS
+        self.batches = _batches([m for m in self.matrices if not m.cut])
 
     def _complement(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
         """``(group, start, end)`` in shard coordinates: the shard's segments outside every matrix."""
@@ -125,27 +137,37 @@ class ShardMuon(ShardAdamW):
 
     def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0) -> None:
         """One update in place from the shard gradient ``factor · grad`` (fp32, ``factor`` 1; or
-        2-byte sums, converted a chunk or a matrix at a time).
+        2-byte sums, converted a chunk or a matrix at a time). The shard's whole matrices are
+        orthogonalised a batch of one shape at a time (one launch per op for the batch: on a GPU,
+        per-matrix launches cost more than the matmuls at GPT-2's sizes).
         Collective over the shard group where a matrix is cut (module doc for the bytes)."""
         self.step_segments(grad, param_groups, factor, self.adamw_segments)
-        lo = self.layout.shard_start
+        lo, device = self.layout.shard_start, self.master.device
         for m in self.matrices:
+            if not m.cut:
+                continue
             a, b = self._in_shard(m)
-            u = self._nesterov(grad, factor, a, b) if a < b else None
-            if m.cut:
-                whole = temporary(m.end - m.start, torch.float32, self.master.device).zero_()
-                if u is not None:
-                    whole[a + lo - m.start: b + lo - m.start].copy_(u)
-                self.comm.all_reduce(whole)
-                if u is None:
-                    continue
+            whole = temporary(m.end - m.start, torch.float32, device).zero_()
+            if a < b:
+                self._nesterov(grad, factor, a, b, out=whole[a + lo - m.start: b + lo - m.start])
+            self.comm.all_reduce(whole)
+            if a < b:
                 u = newton_schulz(whole.view(m.rows, m.cols)).view(-1)[a + lo - m.start: b + lo - m.start]
-            else:
-                u = newton_schulz(u.view(m.rows, m.cols)).view(-1)
-            hp = param_groups[m.group]
-            self.master[a:b].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(
-                u, alpha=-hp["lr"] * RMS_MATCH * math.sqrt(max(m.rows, m.cols)))
+                self._apply(m, a, b, u, param_groups)
+        for batch in self.batches:
+            rows, cols = batch[0].rows, batch[0].cols
+            u = temporary(len(batch) * rows * cols, torch.float32, device).view(len(batch), -1)
+            for i, m in enumerate(batch):
+                self._nesterov(grad, factor, m.start - lo, m.end - lo, out=u[i])
+            for m, o in zip(batch, newton_schulz(u.view(len(batch), rows, cols))):
+                self._apply(m, m.start - lo, m.end - lo, o.view(-1), param_groups)
         self.step_count += 1
+
+    def _apply(self, m: Matrix, a: int, b: int, u: torch.Tensor, param_groups: Sequence[dict]) -> None:
+        """θ ← θ·(1 − lr·wd) − lr · 0.2·√max(A, B) · U on shard elements ``[a, b)`` of matrix ``m``."""
+        hp = param_groups[m.group]
+        self.master[a:b].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(
+            u, alpha=-hp["lr"] * RMS_MATCH * math.sqrt(max(m.rows, m.cols)))
 
     def informative_ranges(self, key: str) -> Optional[List[Tuple[int, int]]]:
         """The matrices have no second moment (their ``exp_avg_sq`` stays zero): only the AdamW
@@ -168,11 +190,25 @@ class ShardMuon(ShardAdamW):
         lo = self.layout.shard_start
         return max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)
 
-    def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int) -> torch.Tensor:
-        """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; returns U = (1 − β)·G + β·M (new)."""
-        g = grad[a:b].to(torch.float32).mul(factor)
+    def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; writes U = (1 − β)·G + β·M into
+        ``out`` (fp32, ``b − a`` elements) and returns it."""
+        g = out.copy_(grad[a:b]).mul_(factor)
         self.exp_avg[a:b].lerp_(g, 1 - MUON_MOMENTUM)
         return g.lerp_(self.exp_avg[a:b], MUON_MOMENTUM)
 
     def estimate(self, *args, **kwargs) -> None:
         raise NotImplementedError("ACCO's estimate is AdamW's; Muon is desloc's inner step only")
+
+
+def _batches(matrices: Sequence[Matrix]) -> List[List[Matrix]]:
+    """``matrices`` grouped by shape (in order of first appearance), each group cut into batches
+    of at most ``NS_BATCH_ELEMENTS`` elements (at least one matrix each)."""
+    by_shape = {}
+    for m in matrices:
+        by_shape.setdefault((m.rows, m.cols), []).append(m)
+    out = []
+    for (rows, cols), group in by_shape.items():
+        per = max(1, NS_BATCH_ELEMENTS // (rows * cols))
+        out += [group[i:i + per] for i in range(0, len(group), per)]
+    return out
