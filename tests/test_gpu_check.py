@@ -33,3 +33,4 @@ def test_gpu_check_dry_run(tmp_path):
     mb = checks["acco-slow"]["micro_batches_per_round"]
     assert mb[0] > mb[1], mb  # the slowed rank 1 computes fewer
     assert all(call3[m]["tokens_per_s"] > 0 for m in ("acco", "desloc-int2"))
+    assert call3["newton_schulz"]["one_at_a_time_ms"] > 0 and call3["newton_schulz"]["batched_ms"] > 0

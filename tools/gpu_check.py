@@ -439,13 +439,41 @@ def call2(plan: Plan, modes) -> dict:
     return res
 
 
+def newton_schulz_timing(dry: bool) -> dict:
+    """Muon's Newton–Schulz on a GPT-2-124M-shaped model's 48 hidden matrices (dry: tiny ones),
+    one matrix at a time against ``ShardMuon``'s batches of one shape: ms per step's worth."""
+    import torch
+
+    from ds_lowcomm.shard.muon import newton_schulz
+
+    device = "cpu" if dry else "cuda"
+    width, layers, reps = (32, 2, 2) if dry else (768, 12, 20)
+    shapes = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]
+    mats = [torch.randn(s, device=device) for s in shapes * layers]
+    batches = [torch.stack(mats[i::len(shapes)]) for i in range(len(shapes))]
+    out = {}
+    for name, run in (("one_at_a_time_ms", lambda: [newton_schulz(m) for m in mats]),
+                      ("batched_ms", lambda: [newton_schulz(b) for b in batches])):
+        run()
+        if not dry:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        if not dry:
+            torch.cuda.synchronize()
+        out[name] = round((time.perf_counter() - t0) / reps * 1e3, 2)
+    return out
+
+
 def call3(plan: Plan, modes) -> dict:
-    """A GPT-2-124M-size model in bf16, micro-batch 8, accumulation 4, 30 steps, one at a time:
-    tokens/s and peak GPU memory per mode; then a profile of acco's steps 3-5 in a run of its own
+    """Muon's Newton–Schulz timed one matrix at a time and batched; a GPT-2-124M-size model in
+    bf16, micro-batch 8, accumulation 4, 30 steps, one at a time: tokens/s and peak GPU memory per
+    mode; then a profile of acco's steps 3-5 in a run of its own
     (the profiler's overhead and its trace export would count in a measured run's step time)."""
     model, block, steps = ((2, 2, 64), 64, 6) if plan.dry else ((12, 12, 768), 1024, 30)
     dtype = "fp32" if plan.dry else "bf16"
-    res = {}
+    res = {"newton_schulz": newton_schulz_timing(plan.dry)}
     for m in modes:
         res[m] = plan.train(f"gpt2-{m}", m, dtype, steps=steps, model=model, block=block, limit=90)
     if "acco" in modes and not plan.dry:  # (a CPU run has no CUDA streams to profile)
