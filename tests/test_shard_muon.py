@@ -100,9 +100,10 @@ def test_whole_matrices_are_orthogonalised_in_batches_of_one_shape(monkeypatch):
 
     c_attn, c_proj, c_fc, mlp_proj = (32, 96), (32, 32), (32, 128), (128, 32)
     assert shapes(1, 0) == [[c_attn] * 2, [c_proj] * 2, [c_fc] * 2, [mlp_proj] * 2]
+    bound = muon.NS_BATCH_ELEMENTS
     monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", 32 * 96)
     assert shapes(1, 0) == [[c_attn], [c_attn], [c_proj] * 2, [c_fc], [c_fc], [mlp_proj], [mlp_proj]]
     # two shards: each holds its whole matrices, the cut one in neither's batches
-    monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", 1 << 25)
+    monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", bound)
     halves = shapes(2, 0) + shapes(2, 1)
     assert sum(len(b) for b in halves) == 8 - 1

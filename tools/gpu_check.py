@@ -440,8 +440,10 @@ def call2(plan: Plan, modes) -> dict:
 
 
 def newton_schulz_timing(dry: bool) -> dict:
-    """Muon's Newton–Schulz on a GPT-2-124M-shaped model's 48 hidden matrices (dry: tiny ones),
-    one matrix at a time against ``ShardMuon``'s batches of one shape: ms per step's worth."""
+    """Muon's Newton–Schulz (``newton_schulz``) on a GPT-2-124M-shaped model's 48 hidden matrices
+    (dry: tiny ones), called per matrix against once per shape (one batch of 12, as ``ShardMuon``
+    batches them at this size): ms per step's worth, after 3 warm-ups; ``{"error": ...}`` if it
+    fails (the modes still run)."""
     import torch
 
     from ds_lowcomm.shard.muon import newton_schulz
@@ -449,20 +451,28 @@ def newton_schulz_timing(dry: bool) -> dict:
     device = "cpu" if dry else "cuda"
     width, layers, reps = (32, 2, 2) if dry else (768, 12, 20)
     shapes = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]
-    mats = [torch.randn(s, device=device) for s in shapes * layers]
-    batches = [torch.stack(mats[i::len(shapes)]) for i in range(len(shapes))]
     out = {}
-    for name, run in (("one_at_a_time_ms", lambda: [newton_schulz(m) for m in mats]),
-                      ("batched_ms", lambda: [newton_schulz(b) for b in batches])):
-        run()
-        if not dry:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run()
-        if not dry:
-            torch.cuda.synchronize()
-        out[name] = round((time.perf_counter() - t0) / reps * 1e3, 2)
+    try:
+        mats = [torch.randn(s, device=device) for s in shapes * layers]
+        batches = [torch.stack(mats[i::len(shapes)]) for i in range(len(shapes))]
+        for name, run in (("one_at_a_time_ms", lambda: [newton_schulz(m) for m in mats]),
+                          ("batched_ms", lambda: [newton_schulz(b) for b in batches])):
+            for _ in range(3):
+                run()
+            if not dry:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                run()
+            if not dry:
+                torch.cuda.synchronize()
+            out[name] = round((time.perf_counter() - t0) / reps * 1e3, 2)
+    except Exception as err:  # noqa: BLE001 (reported; the training runs of call 3 still run)
+        out["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        if not dry:  # this process holds no GPU memory while the runs train
+            mats = batches = None
+            torch.cuda.empty_cache()
     return out
 
 

@@ -34,16 +34,17 @@ MUON_MOMENTUM = 0.95
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: fast growth of small singular values
 NS_STEPS = 5
 RMS_MATCH = 0.2  # Moonlight's factor: an AdamW update's RMS is about 0.2 (their section 2.2)
-#: at most this many elements in one batch of same-shape matrices: bounds the batch's stacked
-#: temporaries (fp32 U, the bf16 or fp32 iterate) by a constant, not by the model; a matrix
-#: larger than this is a batch of its own
+#: at most this many elements in one batch of same-shape matrices (128 MiB of fp32 U): a constant
+#: bound on the batch's stacked temporaries, not the model's size. A matrix larger than this is a
+#: batch of its own, so from about 7B parameters up (4096 × 11008 matrices) a step's temporaries
+#: are the largest matrix's, as one matrix at a time; below, up to this bound buys fewer launches
 NS_BATCH_ELEMENTS = 1 << 25
 
 
 def newton_schulz(u: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """About the orthogonal factor of ``u``, a matrix or a batch of matrices of one shape
     (``n × rows × cols``, each orthogonalised on its own), contiguous: singular values pushed into
-    about [0.7, 1.2]. In bf16 on CUDA, as Muon's authors run it (the iteration tolerates it, and its
+    about [0.7, 1.2]. Local: no communication. In bf16 on CUDA, as Muon's authors run it (the iteration tolerates it, and its
     matmuls are most of the step's cost); in fp32 elsewhere. Each iteration is two fused
     ``baddbmm`` and one matmul, X ← aX + (bA + cA²)X with A = XXᵀ, on the wide orientation."""
     a, b, c = NS_COEFFS
@@ -92,7 +93,7 @@ def muon_matrices(flat: FlatParams, modules: Sequence[torch.nn.Module]) -> List[
     layout = flat.layout
     out = []
     for p in flat.params:
-        if p.dim() != 2 or id(p) in embeddings:
+        if p.dim() != 2 or id(p) in embeddings or p.numel() == 0:
             continue
         start = flat.offsets[id(p)]
         end = start + p.numel()
@@ -137,9 +138,10 @@ class ShardMuon(ShardAdamW):
 
     def step(self, grad: torch.Tensor, param_groups: Sequence[dict], factor: float = 1.0) -> None:
         """One update in place from the shard gradient ``factor · grad`` (fp32, ``factor`` 1; or
-        2-byte sums, converted a chunk or a matrix at a time). The shard's whole matrices are
-        orthogonalised a batch of one shape at a time (one launch per op for the batch: on a GPU,
-        per-matrix launches cost more than the matmuls at GPT-2's sizes).
+        2-byte sums, converted a chunk or a matrix at a time). The shard's whole matrices go
+        through Newton–Schulz a batch of one shape at a time (one launch per op of the iteration
+        for the batch: on a GPU, launching it per matrix costs more than its matmuls at GPT-2's
+        sizes); the momentum and the update stay per matrix.
         Collective over the shard group where a matrix is cut (module doc for the bytes)."""
         self.step_segments(grad, param_groups, factor, self.adamw_segments)
         lo, device = self.layout.shard_start, self.master.device
@@ -155,13 +157,19 @@ class ShardMuon(ShardAdamW):
                 u = newton_schulz(whole.view(m.rows, m.cols)).view(-1)[a + lo - m.start: b + lo - m.start]
                 self._apply(m, a, b, u, param_groups)
         for batch in self.batches:
-            rows, cols = batch[0].rows, batch[0].cols
-            u = temporary(len(batch) * rows * cols, torch.float32, device).view(len(batch), -1)
-            for i, m in enumerate(batch):
-                self._nesterov(grad, factor, m.start - lo, m.end - lo, out=u[i])
-            for m, o in zip(batch, newton_schulz(u.view(len(batch), rows, cols))):
-                self._apply(m, m.start - lo, m.end - lo, o.view(-1), param_groups)
+            self._step_batch(batch, grad, factor, param_groups)
         self.step_count += 1
+
+    def _step_batch(self, batch: Sequence[Matrix], grad: torch.Tensor, factor: float,
+                    param_groups: Sequence[dict]) -> None:
+        """Muon's update of ``batch``, whole matrices of one shape in the shard: their U stacked,
+        one batched Newton–Schulz (its temporaries freed on return, before the next batch's)."""
+        lo, (rows, cols) = self.layout.shard_start, (batch[0].rows, batch[0].cols)
+        u = temporary(len(batch) * rows * cols, torch.float32, self.master.device).view(len(batch), -1)
+        for i, m in enumerate(batch):
+            self._nesterov(grad, factor, m.start - lo, m.end - lo, out=u[i])
+        for m, o in zip(batch, newton_schulz(u.view(len(batch), rows, cols))):
+            self._apply(m, m.start - lo, m.end - lo, o.view(-1), param_groups)
 
     def _apply(self, m: Matrix, a: int, b: int, u: torch.Tensor, param_groups: Sequence[dict]) -> None:
         """θ ← θ·(1 − lr·wd) − lr · 0.2·√max(A, B) · U on shard elements ``[a, b)`` of matrix ``m``."""
@@ -190,12 +198,12 @@ class ShardMuon(ShardAdamW):
         lo = self.layout.shard_start
         return max(m.start - lo, 0), min(m.end - lo, self.layout.shard_size)
 
-    def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+    def _nesterov(self, grad: torch.Tensor, factor: float, a: int, b: int, out: torch.Tensor) -> None:
         """M ← β·M + (1 − β)·G on shard elements ``[a, b)``; writes U = (1 − β)·G + β·M into
-        ``out`` (fp32, ``b − a`` elements) and returns it."""
+        ``out`` (fp32, ``b − a`` elements)."""
         g = out.copy_(grad[a:b]).mul_(factor)
         self.exp_avg[a:b].lerp_(g, 1 - MUON_MOMENTUM)
-        return g.lerp_(self.exp_avg[a:b], MUON_MOMENTUM)
+        g.lerp_(self.exp_avg[a:b], MUON_MOMENTUM)
 
     def estimate(self, *args, **kwargs) -> None:
         raise NotImplementedError("ACCO's estimate is AdamW's; Muon is desloc's inner step only")
