@@ -42,7 +42,8 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     model off the estimate the next micro-batch is computed at; desloc's streamed syncs: a flush
     applies the sync in flight) or ``"local"``, desloc's master shard with ``shard_group_size`` 1
     (reading it waits for nothing); with the parameters, desloc's first moment after the flush
-    (``"moments"``). ``hold_worker_until`` t: the replica collectives the comm worker runs wait until step t has ended on the training thread (``"held_too_long"``: they gave up
+    (``"moments"``). ``hold_worker_until`` t: the replica collectives the comm worker runs wait
+    until step t has ended on the training thread (``"held_too_long"``: they gave up
     after 20 s, so the training thread was waiting for them). ``cross_at`` t: in step t, a
     replica collective of the training thread and one of the worker are issued in opposite orders
     on ranks 0 and 1 if both are allowed to run at once (each waits up to 3 s for the other)."""
@@ -127,7 +128,8 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     if worker is not None:
         worker.close()
     torch.distributed.destroy_process_group()
-    return {"after": after, "moments": moments, "steps": steps[0], "bytes": stats.as_dict()["ops"], "held_too_long": held_too_long}
+    return {"after": after, "moments": moments, "steps": steps[0], "bytes": stats.as_dict()["ops"],
+            "held_too_long": held_too_long}
 
 
 def _grad(model, rank, t):

@@ -44,9 +44,10 @@ NS_BATCH_ELEMENTS = 1 << 25
 def newton_schulz(u: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """About the orthogonal factor of ``u``, a matrix or a batch of matrices of one shape
     (``n × rows × cols``, each orthogonalised on its own), contiguous: singular values pushed into
-    about [0.7, 1.2]. Local: no communication. In bf16 on CUDA, as Muon's authors run it (the iteration tolerates it, and its
-    matmuls are most of the step's cost); in fp32 elsewhere. Each iteration is two fused
-    ``baddbmm`` and one matmul, X ← aX + (bA + cA²)X with A = XXᵀ, on the wide orientation."""
+    about [0.7, 1.2]. Local: no communication. In bf16 on CUDA, as Muon's authors run it (the
+    iteration tolerates it, and its matmuls are most of the step's cost); in fp32 elsewhere. Each
+    iteration is two fused ``baddbmm`` and one matmul, X ← aX + (bA + cA²)X with A = XXᵀ, on the
+    wide orientation."""
     a, b, c = NS_COEFFS
     x = u.to(torch.bfloat16 if u.is_cuda else torch.float32)
     one = x.dim() == 2
