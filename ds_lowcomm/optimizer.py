@@ -463,10 +463,14 @@ class LowCommOptimizer(torch.optim.Optimizer):
             self.mode.settle()
 
     def destroy(self) -> None:
-        """Stop the comm worker and remove the gradient hooks (``engine.destroy()`` calls it)."""
+        """Stop the comm worker (rounds already queued run first), remove the gradient hooks and
+        destroy this optimizer's process groups (``engine.destroy()`` calls it, and so does the
+        process's exit for an engine still alive then). Idempotent. No communication of its own:
+        the last rounds' collectives, which every rank started, complete."""
         if self.worker is not None:
             self.worker.close()
         self.grads.remove_hooks()
+        self.topology.close(control=True)
 
     def master_weights(self) -> torch.Tensor:
         """Full unpadded fp32 master weights (collective; before "automatic" has chosen: the parameters)."""

@@ -1,4 +1,6 @@
-"""A rank that dies mid-training makes the survivors exit non-zero, quickly, saying what happened."""
+"""A rank that dies mid-training makes the survivors exit non-zero, quickly, saying what happened;
+a script that never tears down exits cleanly."""
+import json
 import os
 import subprocess
 import sys
@@ -42,3 +44,30 @@ def test_lost_rank_stops_the_others(how):
         assert elapsed >= TIMEOUT_S, "a stalled peer can only be detected by the timeout"
     print(f"{how}: survivor exited with {procs[0].returncode} after {elapsed:.1f}s: "
           f"{[l for l in err.splitlines() if 'CollectiveError' in l][-1]}")
+
+
+def test_a_script_that_never_tears_down_exits_cleanly(tmp_path):
+    """Most scripts end without ``engine.destroy()`` or ``destroy_process_group``; a gloo group or
+    comm thread still alive when the interpreter finalizes can abort a rank after training
+    succeeded. ds_lowcomm's exit handler destroys the engine first: its groups and comm thread
+    are gone before the interpreter finalizes, with acco's last round and a preemption guard's
+    all-reduce in flight at the end."""
+    port, prefix = free_port(), str(tmp_path / "rank")
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ends_without_teardown.py"), prefix],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0 and "trained" in out, err[-3000:]
+        assert "terminate called" not in err, err[-3000:]
+    for rank in range(2):
+        report = json.loads(open(f"{prefix}{rank}.json").read())
+        assert report == {"groups_alive": [], "threads_alive": [], "imported_before": False}, report

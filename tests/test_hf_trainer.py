@@ -1,6 +1,7 @@
 """The Hugging Face Trainer on 2 ranks: every mode trains, zero1 equals the DeepSpeed loop, the
 Trainer's own optimizer groups and LR schedule drive ours, resume is exact, metrics reach the logs."""
 import copy
+import signal
 
 import pytest
 import torch
@@ -59,7 +60,8 @@ def _trainer(rank, world, cfg, out_dir, steps, save_steps=None, resume=None, sto
     # Mean loss per micro-batch, as a plain DeepSpeed loop computes it (not the Trainer's
     # token-normalised variant), so the two runs can be compared number for number.
     model.accepts_loss_kwargs = False
-    losses, batches, lrs = [], [], []
+    losses, batches, lrs, guarded = [], [], [], []
+    sigterm = signal.getsignal(signal.SIGTERM)  # the handler before the Trainer's preemption guard
     model.register_forward_hook(lambda m, i, out: losses.append(out.loss.item()))
     if rank == slow_rank:
         model.register_forward_hook(lambda *_: time.sleep(0.05))
@@ -74,6 +76,7 @@ def _trainer(rank, world, cfg, out_dir, steps, save_steps=None, resume=None, sto
             lrs.append([g["lr"] for g in optimizer.optimizer.param_groups])
 
         def on_step_end(self, args, state, control, **kw):
+            guarded.append(signal.getsignal(signal.SIGTERM) is not sigterm)
             if stop_after is not None and state.global_step >= stop_after:
                 control.should_training_stop = True
 
@@ -87,12 +90,13 @@ def _trainer(rank, world, cfg, out_dir, steps, save_steps=None, resume=None, sto
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(samples), data_collator=collate,
                                    callbacks=[Probe()])
     trainer.train(resume_from_checkpoint=resume)
+    sigterm_after_train = "the one before" if signal.getsignal(signal.SIGTERM) is sigterm else "another"
     engine = trainer.model_wrapped
     trainer.save_model(f"{out_dir}/final")
     return dict(engine=type(engine).__name__, optimizer=type(engine.optimizer).__name__,
                 global_steps=engine.global_steps,
                 losses=losses, batches=batches[:len(losses)],  # the loader prefetches one more
-                lrs=lrs, log=trainer.state.log_history,
+                lrs=lrs, log=trainer.state.log_history, guarded=guarded, sigterm_after_train=sigterm_after_train,
                 weight_decays=[g["weight_decay"] for g in engine.optimizer.param_groups],
                 master=engine.optimizer.master_weights(), digest=workers.params_digest(engine))
 
@@ -129,6 +133,8 @@ def test_trainer_trains_every_mode(tmp_path, mode, lowcomm):
     assert all(e["grad_norm"] > 0 for e in train_logs[2:])
     assert train_logs[-1]["lowcomm/bytes_sent_per_step"] > 0  # desloc sends nothing at step 1
     assert train_logs[-1]["lowcomm/skipped_steps"] == 0 and "lowcomm/loss_scale" not in train_logs[-1]
+    # the preemption guard held SIGTERM from the first step's end, and train() gave it back
+    assert r0["guarded"][1:] == [True] * (steps - 1) and r0["sigterm_after_train"] == "the one before"
     if mode == "acco":
         assert [k for k in train_logs[-1] if "micro_batches_per_round/rank" in k] == [
             "lowcomm/micro_batches_per_round/rank0", "lowcomm/micro_batches_per_round/rank1"]

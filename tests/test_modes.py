@@ -209,8 +209,9 @@ def test_acco_is_adamw_with_an_estimate_step():
     assert not torch.equal(_flat(estimate), _flat(ref))  # the estimate is a real step ahead
 
 
-def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0, steps=STEPS):
-    """Two replicas, each AdamW on its own rank's data; after step t's update the parameters are
+def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0, steps=STEPS, ranks_per_replica=1):
+    """Two replicas, each AdamW on its own ranks' data (``ranks_per_replica`` consecutive ranks: the
+    mean of their gradients, as ZeRO-1 inside a replica takes it); after step t's update the parameters are
     averaged when Kx divides t (DiLoCo's outer Nesterov on the average when configured), the first
     moment when Ku does, the second when Kv does (DES-LOC, arXiv 2505.22549, Algorithm 1).
     Streamed (``delay`` D > 0): the parameter sync launched after step t is applied after step
@@ -229,8 +230,10 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0, ste
     out = []
     for t in range(1, steps + 1):
         for r, (model, opt) in enumerate(zip(models, opts)):
-            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
-                p.grad = g
+            ranks = range(r * ranks_per_replica, (r + 1) * ranks_per_replica)
+            per_rank = [_grad(model, rank, t - 1) for rank in ranks]
+            for p, *gs in zip(model.parameters(), *per_rank):
+                p.grad = sum(gs) / ranks_per_replica
             opt.step()
         pairs = list(zip(models[0].parameters(), models[1].parameters()))
         if pending is not None and pending[0] == t:
@@ -320,6 +323,26 @@ def test_desloc_streamed_syncs_apply_late_with_the_local_progress(kx, ku, delay,
     ops = results[0]["bytes"]["replica.all_reduce"]  # the same syncs as synchronous
     syncs = steps // kx + steps // ku + steps // 4
     assert ops["calls"] == syncs and ops["bytes_sent"] == syncs * 112 * 4
+
+
+@pytest.mark.parametrize("outer", [{}, {"outer_lr": 0.7, "outer_momentum": 0.9}], ids=["average", "nesterov"])
+def test_desloc_streamed_syncs_with_two_ranks_per_replica(outer):
+    """Streamed syncs where each replica is a shard group of 2 ranks (4 ranks, shard_group_size 2):
+    each rank streams its own shard over its replica group; the result is the two-replica
+    equations on the mean gradient of each replica's ranks (Kx 4, Ku 2, D 3: a moment averaged
+    again while the sync is in flight, as in the single-rank case)."""
+    periods = dict(param_sync_every=4, momentum_sync_every=2, variance_sync_every=4, param_sync_delay=3)
+    results = run_ranks(_train, 4, {"mode": "desloc", "shard_group_size": 2, "desloc": {**periods, **outer}},
+                        0.0, "master", None, None, 8)
+    ref = _desloc_reference(4, 2, 4, **outer, delay=3, steps=8, ranks_per_replica=2)
+    for t in range(8):
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][rank // 2], rtol=1e-6, atol=1e-7)
+    # each rank all-reduces its own shard: the 103 elements padded to 2 shards of whole blocks of
+    # 16, 64 each, 2·(R−1)/R of them per call, R = 2
+    ops = results[0]["bytes"]["replica.all_reduce"]
+    syncs = 8 // 4 + 8 // 2 + 8 // 4
+    assert ops["calls"] == syncs and ops["bytes_sent"] == syncs * 64 * 4
 
 
 def test_desloc_flush_applies_the_streamed_sync_in_flight():

@@ -137,13 +137,17 @@ class Checkpointer:
             pending.result()
 
     def close(self) -> None:
-        """Wait for the background save, then stop the save thread (``engine.destroy()``)."""
+        """Wait for the background save, then stop the save thread and destroy its group
+        (``engine.destroy()``). Idempotent. No communication of its own."""
         try:
             self.wait()
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
 
     def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[str], Any]) -> Any:
         """``deepspeed_save(tag)`` (DeepSpeed's collective save, its ``latest`` switched off,

@@ -12,9 +12,9 @@ of one rank is no group at all (:class:`~ds_lowcomm.comm.collectives.GroupOfOne`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Set
 
 import torch.distributed as dist
 
@@ -35,6 +35,8 @@ class Topology:
     #: on the shard group (NCCL documents that as a possible deadlock), and reading its result
     #: never waits for the GPU
     control: Collectives
+    #: names of the groups :meth:`close` has destroyed
+    closed: Set[str] = field(default_factory=set)
 
     @property
     def num_replicas(self) -> int:
@@ -74,11 +76,16 @@ class Topology:
                                   stats, timeout_s, "control")
         return Topology(world, rank, g, shard, replica, control)
 
-    def close(self) -> None:
-        """Destroy this rank's shard and replica groups, keeping the control group (another
-        topology may share it): for a topology "mode": "automatic" replaced before training, whose
-        communicators (NCCL's hold device buffers) would otherwise stay open unused. No
-        communication."""
-        for collectives in (self.shard, self.replica):
-            if collectives is not None and collectives.group is not None:
+    def close(self, control: bool = False) -> None:
+        """Destroy this rank's shard and replica groups, and with ``control`` the control group
+        (without it kept: another topology may share it, as when "mode": "automatic" replaces a
+        topology before training, whose communicators, NCCL's holding device buffers, would
+        otherwise stay open unused). Idempotent; nothing once the default group is gone
+        (``destroy_process_group()`` destroyed every group). No communication: a gloo group waits
+        for its queued collectives, which every rank started."""
+        for collectives in (self.shard, self.replica) + ((self.control,) if control else ()):
+            if collectives is None or collectives.group is None or collectives.name in self.closed:
+                continue
+            if dist.is_initialized():
                 dist.destroy_process_group(collectives.group)
+            self.closed.add(collectives.name)

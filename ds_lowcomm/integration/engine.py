@@ -8,7 +8,9 @@ below are the engine hooks that have been stable since DeepSpeed 0.10:
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from typing import Dict, List
 
 import torch
@@ -25,6 +27,20 @@ MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "exposed_comm_s_p
              "round_s_per_step", "micro_batches_per_round", "skipped_steps")
 _DROPPED_JSON_PARAMS = ("torch_adam", "adam_w_mode", "fused", "foreach")
 _ADAM_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "LowCommOptimizer")
+#: engines not yet destroyed, destroyed at the process's exit (:func:`_destroy_at_exit`)
+_ALIVE: "weakref.WeakSet[LowCommEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_at_exit() -> None:
+    """Destroy every engine the script left alive, while the interpreter still runs: most scripts
+    (the Trainer's, accelerate's) end without ``engine.destroy()`` or ``destroy_process_group``,
+    and a gloo group or comm thread still alive when the interpreter finalizes can abort the
+    process (SIGABRT, "terminate called without an active exception") after training succeeded.
+    Atexit handlers run after the main thread's last statement on every rank, so the collectives
+    the last rounds started complete."""
+    for engine in list(_ALIVE):
+        engine.destroy()
 
 
 def _comm_dtype(engine: DeepSpeedEngine, cfg: LowCommConfig) -> torch.dtype:
@@ -115,6 +131,7 @@ class LowCommEngine(DeepSpeedEngine):
         self._loop_bound = False
         super().__init__(*args, **kwargs)
         self.enable_backward_allreduce = False
+        _ALIVE.add(self)
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
         cfg = self.lowcomm_config
@@ -244,7 +261,9 @@ class LowCommEngine(DeepSpeedEngine):
 
     def destroy(self) -> None:
         """Wait for a background checkpoint save (``async_save``) to be published, then
-        DeepSpeed's ``destroy`` (which stops the optimizer's comm worker)."""
+        DeepSpeed's ``destroy``, which destroys the optimizer (its comm worker and process groups).
+        Idempotent; the process's exit calls it for an engine still alive then."""
+        _ALIVE.discard(self)
         try:
             checkpointer = getattr(self, "checkpointer", None)
             if checkpointer is not None:

@@ -4,7 +4,7 @@ The Trainer reaches ds_lowcomm through ``deepspeed.initialize`` (accelerate 1.15
 ``_prepare_deepspeed`` looks it up at call time), so training needs nothing from this module. What
 the Trainer does not know is our metrics and our in-flight updates: when a
 :class:`~ds_lowcomm.integration.engine.LowCommEngine` is built while ``transformers.trainer`` is loaded,
-:func:`install_trainer_hooks` wraps two methods the Trainer documents for overriding:
+:func:`install_trainer_hooks` wraps three of its methods:
 
 - ``Trainer.log``: every training log entry also carries :func:`trainer_metrics` (in
   ``state.log_history``, the console, TensorBoard, W&B, ... alike);
@@ -14,7 +14,9 @@ the Trainer does not know is our metrics and our in-flight updates: when a
   ``lowcomm.save_on_preemption`` (the default), a SIGTERM or SIGUSR1 makes the Trainer save its
   ``checkpoint-N`` at the end of the step every rank has learnt of it by
   (:class:`~ds_lowcomm.integration.preemption.PreemptionGuard`), after which the process exits with
-  128 + the signal's number; ``resume_from_checkpoint`` goes on from there.
+  128 + the signal's number; ``resume_from_checkpoint`` goes on from there;
+  when training ends (``on_train_end``) the guard's last all-reduce is waited for and the signal
+  handlers it replaced are back, so a signal after training acts as it would without us.
 
 Trainers whose model is not a LowCommEngine are left untouched.
 """
@@ -53,7 +55,8 @@ def _engine(trainer):
 
 
 def install_trainer_hooks() -> None:
-    """Wrap ``Trainer.log`` and ``Trainer.save_model`` once, if the Trainer is loaded (idempotent)."""
+    """Wrap ``Trainer.log``, ``save_model`` and ``_maybe_log_save_evaluate`` once, if the
+    Trainer is loaded (idempotent)."""
     module = sys.modules.get("transformers.trainer")
     trainer_cls = getattr(module, "Trainer", None)
     if trainer_cls is None or getattr(trainer_cls.log, "ds_lowcomm_wrapped", False):
@@ -87,6 +90,7 @@ def install_trainer_hooks() -> None:
             from ds_lowcomm.integration.preemption import PreemptionGuard
 
             guard = self._ds_lowcomm_preemption = PreemptionGuard(engine.optimizer.topology.control.group)
+            self.add_callback(_close_guard_at_train_end(self, guard))
         if guard is not None and guard.poll():
             self.control.should_save = True  # saved by the call below, as the Trainer's own checkpoint
             self.control.should_training_stop = True
@@ -98,6 +102,23 @@ def install_trainer_hooks() -> None:
     log.ds_lowcomm_wrapped = save_model.ds_lowcomm_wrapped = _maybe_log_save_evaluate.ds_lowcomm_wrapped = True
     trainer_cls.log, trainer_cls.save_model = log, save_model
     trainer_cls._maybe_log_save_evaluate = _maybe_log_save_evaluate
+
+
+def _close_guard_at_train_end(trainer, guard):
+    """A callback that closes ``guard`` when training ends, and lets a later ``train`` call make
+    its own: the ``train`` call that built the engine was already running when the hooks were
+    installed, so the end of its loop is reached through the Trainer's callbacks. (A run that
+    raises leaves the guard's last all-reduce to the engine's destruction at exit, which waits
+    for it at most the collective timeout.)"""
+    from transformers import TrainerCallback
+
+    class CloseGuard(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            guard.close()
+            if trainer.__dict__.get("_ds_lowcomm_preemption") is guard:
+                del trainer._ds_lowcomm_preemption
+
+    return CloseGuard()
 
 
 def _leave(trainer, engine, guard) -> None:

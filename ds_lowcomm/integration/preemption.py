@@ -80,9 +80,10 @@ class PreemptionGuard:
 
     def close(self) -> None:
         """Wait for the all-reduce in flight (every rank started it) and restore the handlers
-        that were there before."""
+        that were there before. Idempotent."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
         for s, previous in self._previous.items():
             signal.signal(s, previous)
+        self._previous = {}  # closed: a second close changes nothing
