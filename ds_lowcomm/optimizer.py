@@ -470,6 +470,10 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if self.worker is not None:
             self.worker.close()
         self.grads.remove_hooks()
+        if self.flat.device.type == "cuda":
+            # Collectives the training stream issued (synchronous rounds) finish before their
+            # NCCL communicators are shut down.
+            torch.cuda.current_stream(self.flat.device).synchronize()
         self.topology.close(control=True)
 
     def master_weights(self) -> torch.Tensor:

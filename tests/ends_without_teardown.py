@@ -1,15 +1,18 @@
 """A 2-rank run that ends as most user scripts do: no ``engine.destroy()``, no
-``destroy_process_group``, acco's last round in flight and a preemption guard's all-reduce pending.
-Run by test_fault.py, a process per rank; each rank writes what was still alive after ds_lowcomm's
-exit handler to ``RESULT_PREFIX<rank>.json``.
+``destroy_process_group``. Run by test_fault.py, a process per rank.
 
-    python ends_without_teardown.py RESULT_PREFIX
+    python ends_without_teardown.py RESULT_PREFIX end    # acco's last round and a preemption
+        guard's all-reduce in flight; each rank writes what was still there after ds_lowcomm's
+        exit handler to RESULT_PREFIX<rank>.json
+    python ends_without_teardown.py RESULT_PREFIX raise  # rank 0 raises with a round in flight
+        that rank 1, alive but stopped, never joins; rank 0 prints the time it raised at
 """
 import atexit
 import json
 import os
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -20,24 +23,32 @@ def _report() -> None:
     """Registered before ds_lowcomm is imported, so run after its exit handler (atexit is LIFO)."""
     from torch.distributed import distributed_c10d
 
-    alive = sorted(name for name, group in GROUPS.items() if group in distributed_c10d._world.pg_map)
+    registered = sorted(name for name, group in GROUPS.items() if group in distributed_c10d._world.pg_map)
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("ds_lowcomm"))
     with open(f"{sys.argv[1]}{os.environ['RANK']}.json", "w") as f:
-        json.dump({"groups_alive": alive, "threads_alive": threads,
+        json.dump({"groups_registered": registered, "threads_alive": threads,
                    "imported_before": "ds_lowcomm.integration.engine" in IMPORTED_BEFORE}, f)
 
 
 IMPORTED_BEFORE = set(sys.modules)
-atexit.register(_report)
+if sys.argv[2] == "end":
+    atexit.register(_report)
 
 import workers  # noqa: E402
 from ds_lowcomm.integration.preemption import PreemptionGuard  # noqa: E402
 
-engine = workers.build_engine(workers.config("acco"))
+rank = int(os.environ["RANK"])
+engine = workers.build_engine(workers.config("acco", collective_timeout_s=60.0))
 topology = engine.optimizer.topology
 GROUPS.update(shard=topology.shard.group, control=topology.control.group)
 guard = PreemptionGuard(topology.control.group)
 for step in range(3):
-    workers.train(engine, 1, start=step, rank=int(os.environ["RANK"]))
+    workers.train(engine, 1, start=step, rank=rank)
     guard.poll()
+if sys.argv[2] == "raise":
+    if rank == 1:
+        time.sleep(120)  # alive, never joining rank 0's next round (the test kills it)
+    workers.train(engine, 1, start=3, rank=rank)  # its round waits for rank 1
+    print(f"raising at {time.time()}", flush=True)
+    raise RuntimeError("a bug in the script")
 print("trained", flush=True)

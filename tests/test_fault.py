@@ -46,20 +46,25 @@ def test_lost_rank_stops_the_others(how):
           f"{[l for l in err.splitlines() if 'CollectiveError' in l][-1]}")
 
 
-def test_a_script_that_never_tears_down_exits_cleanly(tmp_path):
-    """Most scripts end without ``engine.destroy()`` or ``destroy_process_group``; a gloo group or
-    comm thread still alive when the interpreter finalizes can abort a rank after training
-    succeeded. ds_lowcomm's exit handler destroys the engine first: its groups and comm thread
-    are gone before the interpreter finalizes, with acco's last round and a preemption guard's
-    all-reduce in flight at the end."""
-    port, prefix = free_port(), str(tmp_path / "rank")
-    procs = []
+def _launch(script_args):
+    port, procs = free_port(), []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ends_without_teardown.py"), prefix],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ends_without_teardown.py"), *script_args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_a_script_that_never_tears_down_exits_cleanly(tmp_path):
+    """Most scripts end without ``engine.destroy()`` or ``destroy_process_group``; a comm thread
+    still inside a collective when the interpreter finalizes aborts the rank (SIGABRT) after
+    training succeeded. ds_lowcomm's exit handler destroys the engine first: with acco's last
+    round and a preemption guard's all-reduce in flight at the end, both ranks exit 0, the comm
+    thread stopped and ds_lowcomm's groups destroyed."""
+    prefix = str(tmp_path / "rank")
+    procs = _launch([prefix, "end"])
     try:
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
@@ -70,4 +75,20 @@ def test_a_script_that_never_tears_down_exits_cleanly(tmp_path):
         assert "terminate called" not in err, err[-3000:]
     for rank in range(2):
         report = json.loads(open(f"{prefix}{rank}.json").read())
-        assert report == {"groups_alive": [], "threads_alive": [], "imported_before": False}, report
+        assert report == {"groups_registered": [], "threads_alive": [], "imported_before": False}, report
+
+
+def test_a_rank_that_raises_exits_without_waiting_for_its_rounds(tmp_path):
+    """After an uncaught exception the exit handler waits for nothing: rank 0 raises with a round
+    in flight that rank 1 (alive, stopped) never joins, and exits within seconds, not after the
+    60 s collective timeout its round would take to fail."""
+    procs = _launch([str(tmp_path / "rank"), "raise"])
+    try:
+        out, err = procs[0].communicate(timeout=180)
+        exited = time.time()
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and "RuntimeError: a bug in the script" in err, err[-3000:]
+    raised = float(out.split("raising at ")[1].split()[0])
+    assert exited - raised < 20, exited - raised

@@ -1,5 +1,6 @@
 """PreemptionGuard in one process: the first signal is kept for the step boundary, a second ends the
-process as it would have without the guard. (Across ranks, train.py and the Trainer:
+process as it would have without the guard; one caught after the last poll reaches the restored
+handler at close. (Across ranks, train.py and the Trainer:
 tests/test_train_script.py.)"""
 import os
 import signal
@@ -33,3 +34,32 @@ def test_first_signal_waits_for_the_step_second_ends_the_process(sig):
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == [str(int(number)), str(128 + number), sig], proc.stdout + proc.stderr
     assert proc.returncode == -number
+
+
+CLOSE_SCRIPT = """
+import os, signal, time
+from ds_lowcomm.integration.preemption import PreemptionGuard
+guard = PreemptionGuard()
+assert guard.poll() == 0
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+if {acted_on}:
+    assert guard.poll() == signal.SIGTERM  # the loop saw it: saved and stopping
+print("caught", flush=True)
+guard.close()
+guard.close()
+print("closed", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+"""
+
+
+@pytest.mark.parametrize("acted_on", [False, True], ids=["after-the-last-poll", "acted-on"])
+def test_close_sends_a_signal_no_step_acted_on_to_the_restored_handler(acted_on):
+    """A SIGTERM after the last poll (the end of training) ends the process at close, as it would
+    have without the guard at the moment it came; one the loop acted on does not, and the default
+    handler is back."""
+    proc = subprocess.run([sys.executable, "-c", CLOSE_SCRIPT.format(acted_on=acted_on)],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    if acted_on:
+        assert proc.returncode == 0 and proc.stdout.split() == ["caught", "closed", "True"], proc.stdout + proc.stderr
+    else:
+        assert proc.returncode == -signal.SIGTERM and proc.stdout.split() == ["caught"], proc.stdout + proc.stderr

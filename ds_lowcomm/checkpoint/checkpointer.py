@@ -35,6 +35,7 @@ from ds_lowcomm.checkpoint.files import (MODEL_FILE, CheckpointError, atomic_sav
 from ds_lowcomm.checkpoint.export import write_recovery_files
 from ds_lowcomm.checkpoint.migrate import check_loadable, reader_for, upgrade_meta
 from ds_lowcomm.checkpoint.shards import ShardReader, check_same_model
+from ds_lowcomm.comm.collectives import destroy_group
 
 #: a save of a tag that exists is written beside it under this suffix, then swapped in
 STAGING = ".saving"
@@ -145,8 +146,7 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-            if self._group is not None and dist.is_initialized():
-                dist.destroy_process_group(self._group)
+            destroy_group(self._group)
             self._group = None
 
     def save(self, save_dir: str, tag: str, save_latest: bool, deepspeed_save: Callable[[str], Any]) -> Any:

@@ -99,6 +99,16 @@ class CommStats:
                 "ops": {name: asdict(s) for name, s in sorted(self.ops.items())}}
 
 
+def destroy_group(group) -> None:
+    """Destroy ``group`` if torch still has it: not after ``destroy_process_group()`` destroyed
+    every group, nor after the world was initialised again, nor a second time. No communication
+    (gloo; NCCL's communicators are shut down locally)."""
+    # torch 2.13 keeps the live groups in a private registry; destroying one it no longer holds
+    # raises "Invalid process group specified".
+    if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a peer rank died, stalled or disagrees on shapes."""
 

@@ -12,13 +12,13 @@ of one rank is no group at all (:class:`~ds_lowcomm.comm.collectives.GroupOfOne`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Set
+from typing import Optional
 
 import torch.distributed as dist
 
-from ds_lowcomm.comm.collectives import Collectives, CommStats, GroupOfOne
+from ds_lowcomm.comm.collectives import Collectives, CommStats, GroupOfOne, destroy_group
 from ds_lowcomm.config import LowCommConfigError
 
 
@@ -35,8 +35,6 @@ class Topology:
     #: on the shard group (NCCL documents that as a possible deadlock), and reading its result
     #: never waits for the GPU
     control: Collectives
-    #: names of the groups :meth:`close` has destroyed
-    closed: Set[str] = field(default_factory=set)
 
     @property
     def num_replicas(self) -> int:
@@ -80,12 +78,8 @@ class Topology:
         """Destroy this rank's shard and replica groups, and with ``control`` the control group
         (without it kept: another topology may share it, as when "mode": "automatic" replaces a
         topology before training, whose communicators, NCCL's holding device buffers, would
-        otherwise stay open unused). Idempotent; nothing once the default group is gone
-        (``destroy_process_group()`` destroyed every group). No communication: a gloo group waits
-        for its queued collectives, which every rank started."""
+        otherwise stay open unused). Idempotent. No communication: call it once this rank's
+        collectives on them have completed."""
         for collectives in (self.shard, self.replica) + ((self.control,) if control else ()):
-            if collectives is None or collectives.group is None or collectives.name in self.closed:
-                continue
-            if dist.is_initialized():
-                dist.destroy_process_group(collectives.group)
-            self.closed.add(collectives.name)
+            if collectives is not None:
+                destroy_group(collectives.group)

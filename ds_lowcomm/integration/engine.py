@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
+import logging
+import sys
 import weakref
 from typing import Dict, List
 
@@ -22,25 +25,34 @@ from ds_lowcomm.config import (GRAD_ACCUM_DTYPES, LowCommConfig, LowCommConfigEr
 from ds_lowcomm.optimizer import LowCommOptimizer
 from ds_lowcomm.shard.pace import token_weight
 
+logger = logging.getLogger("ds_lowcomm")
+
 # comm_stats() entries written to DeepSpeed's monitor (TensorBoard / CSV / W&B) after each step.
 MONITORED = ("bytes_sent_per_step", "bytes_received_per_step", "exposed_comm_s_per_step",
              "round_s_per_step", "micro_batches_per_round", "skipped_steps")
 _DROPPED_JSON_PARAMS = ("torch_adam", "adam_w_mode", "fused", "foreach")
 _ADAM_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "LowCommOptimizer")
-#: engines not yet destroyed, destroyed at the process's exit (:func:`_destroy_at_exit`)
-_ALIVE: "weakref.WeakSet[LowCommEngine]" = weakref.WeakSet()
+#: engines not yet destroyed, by creation number, destroyed at the process's exit (:func:`_destroy_at_exit`)
+_ALIVE: "weakref.WeakValueDictionary[int, LowCommEngine]" = weakref.WeakValueDictionary()
+_CREATED = itertools.count()
 
 
 @atexit.register
 def _destroy_at_exit() -> None:
-    """Destroy every engine the script left alive, while the interpreter still runs: most scripts
-    (the Trainer's, accelerate's) end without ``engine.destroy()`` or ``destroy_process_group``,
-    and a gloo group or comm thread still alive when the interpreter finalizes can abort the
-    process (SIGABRT, "terminate called without an active exception") after training succeeded.
-    Atexit handlers run after the main thread's last statement on every rank, so the collectives
-    the last rounds started complete."""
-    for engine in list(_ALIVE):
-        engine.destroy()
+    """Destroy the engines the script left alive, oldest first (the same order on every rank),
+    while the interpreter still runs: most scripts (the Trainer's, accelerate's) end without
+    ``engine.destroy()``, and a comm thread still inside a collective when the interpreter
+    finalizes aborts the process (SIGABRT, "terminate called without an active exception") after
+    training succeeded. Atexit handlers run once the main thread is done on every rank, so the
+    rounds still queued complete. After an uncaught exception nothing is waited for: a peer may
+    be gone, and its rounds would hold this rank for up to ``collective_timeout_s``."""
+    if getattr(sys, "last_value", None) is not None:  # set by the interpreter's report of the exception
+        return
+    for _, engine in sorted(_ALIVE.items()):
+        try:
+            engine.destroy()
+        except Exception as err:  # one engine's failure (a background save's) leaves the others to do
+            logger.warning(f"ds_lowcomm: destroying an engine at exit failed: {type(err).__name__}: {err}")
 
 
 def _comm_dtype(engine: DeepSpeedEngine, cfg: LowCommConfig) -> torch.dtype:
@@ -131,7 +143,8 @@ class LowCommEngine(DeepSpeedEngine):
         self._loop_bound = False
         super().__init__(*args, **kwargs)
         self.enable_backward_allreduce = False
-        _ALIVE.add(self)
+        self._created = next(_CREATED)
+        _ALIVE[self._created] = self
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
         cfg = self.lowcomm_config
@@ -263,7 +276,7 @@ class LowCommEngine(DeepSpeedEngine):
         """Wait for a background checkpoint save (``async_save``) to be published, then
         DeepSpeed's ``destroy``, which destroys the optimizer (its comm worker and process groups).
         Idempotent; the process's exit calls it for an engine still alive then."""
-        _ALIVE.discard(self)
+        _ALIVE.pop(getattr(self, "_created", None), None)
         try:
             checkpointer = getattr(self, "checkpointer", None)
             if checkpointer is not None:

@@ -80,10 +80,15 @@ class PreemptionGuard:
 
     def close(self) -> None:
         """Wait for the all-reduce in flight (every rank started it) and restore the handlers
-        that were there before. Idempotent."""
+        that were there before; a signal this rank caught and the ranks have not acted on (one
+        after the last poll: the end of training) is sent again to the restored handler, so it
+        acts as it would have without the guard, only later. Idempotent."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
         for s, previous in self._previous.items():
             signal.signal(s, previous)
+        unhandled = self.signum if self._previous and not self.agreed else 0
         self._previous = {}  # closed: a second close changes nothing
+        if unhandled:
+            signal.raise_signal(unhandled)
