@@ -102,7 +102,8 @@ class CommStats:
 def destroy_group(group) -> None:
     """Destroy ``group`` if torch still has it: not after ``destroy_process_group()`` destroyed
     every group, nor after the world was initialised again, nor a second time. No communication
-    (gloo; NCCL's communicators are shut down locally)."""
+    on gloo; NCCL's shutdown of a communicator is collective in some NCCL versions, so every
+    member calls this at the same point."""
     # torch 2.13 keeps the live groups in a private registry; destroying one it no longer holds
     # raises "Invalid process group specified".
     if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:

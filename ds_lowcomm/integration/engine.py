@@ -44,8 +44,10 @@ def _destroy_at_exit() -> None:
     ``engine.destroy()``, and a comm thread still inside a collective when the interpreter
     finalizes aborts the process (SIGABRT, "terminate called without an active exception") after
     training succeeded. Atexit handlers run once the main thread is done on every rank, so the
-    rounds still queued complete. After an uncaught exception nothing is waited for: a peer may
-    be gone, and its rounds would hold this rank for up to ``collective_timeout_s``."""
+    rounds still queued complete. After an uncaught exception nothing is destroyed, so none of
+    its rounds is waited for: a peer may be gone, and they would hold this rank for up to
+    ``collective_timeout_s``. (``sys.last_value`` is what tells: the interpreter's report of an
+    uncaught exception sets it, and so do pytest for a failed test and interactive sessions.)"""
     if getattr(sys, "last_value", None) is not None:  # set by the interpreter's report of the exception
         return
     for _, engine in sorted(_ALIVE.items()):

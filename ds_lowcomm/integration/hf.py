@@ -16,7 +16,7 @@ the Trainer does not know is our metrics and our in-flight updates: when a
   (:class:`~ds_lowcomm.integration.preemption.PreemptionGuard`), after which the process exits with
   128 + the signal's number; ``resume_from_checkpoint`` goes on from there;
   when training ends (``on_train_end``) the guard's last all-reduce is waited for and the signal
-  handlers it replaced are back, and a signal caught after the last step reaches them then.
+  handlers it replaced are back.
 
 Trainers whose model is not a LowCommEngine are left untouched.
 """
@@ -108,7 +108,7 @@ def _close_guard_at_train_end(trainer, guard):
     """A callback that closes ``guard`` when training ends, and lets a later ``train`` call make
     its own: the ``train`` call that built the engine was already running when the hooks were
     installed, so the end of its loop is reached through the Trainer's callbacks. (A ``train``
-    that raises never gets there: its guard keeps the handlers, as the process is ending.)"""
+    that raises never gets there: its guard keeps the handlers until the process ends.)"""
     from transformers import TrainerCallback
 
     class CloseGuard(TrainerCallback):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Optional
 
@@ -79,16 +80,18 @@ class PreemptionGuard:
         return signal.Signals(self.agreed).name if self.agreed else None
 
     def close(self) -> None:
-        """Wait for the all-reduce in flight (every rank started it) and restore the handlers
-        that were there before; a signal this rank caught and the ranks have not acted on (one
-        after the last poll: the end of training) is sent again to the restored handler, so it
-        acts as it would have without the guard, only later. Idempotent."""
+        """Wait for the all-reduce in flight (every rank started it) and restore the handlers that
+        were there before: from then on a signal has its usual effect. A signal this rank caught
+        in the last step, too late for the ranks to agree on, is not acted on (training has
+        finished, and every rank goes on to the script's end alike); the rank says so in one
+        line. Idempotent."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
+        if self._previous and self.signum and not self.agreed:
+            print(f"ds_lowcomm: {signal.Signals(self.signum).name} came in the last step, too late for the ranks' last "
+                  f"check; training has finished, so it is not acted on (a new signal has its usual effect)",
+                  file=sys.stderr, flush=True)
         for s, previous in self._previous.items():
             signal.signal(s, previous)
-        unhandled = self.signum if self._previous and not self.agreed else 0
         self._previous = {}  # closed: a second close changes nothing
-        if unhandled:
-            signal.raise_signal(unhandled)
