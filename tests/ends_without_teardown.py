@@ -2,8 +2,8 @@
 ``destroy_process_group``. Run by test_fault.py, a process per rank.
 
     python ends_without_teardown.py RESULT_PREFIX end    # acco's last round and a preemption
-        guard's all-reduce in flight; each rank writes what was still there after ds_lowcomm's
-        exit handler to RESULT_PREFIX<rank>.json
+        guard's all-reduce in flight, asynchronous saves on (their own group); each rank writes
+        what was still there after ds_lowcomm's exit handler to RESULT_PREFIX<rank>.json
     python ends_without_teardown.py RESULT_PREFIX raise  # rank 0 raises with a round in flight
         that rank 1, alive but stopped, never joins; rank 0 prints the time it raised at
 """
@@ -38,9 +38,9 @@ import workers  # noqa: E402
 from ds_lowcomm.integration.preemption import PreemptionGuard  # noqa: E402
 
 rank = int(os.environ["RANK"])
-engine = workers.build_engine(workers.config("acco", collective_timeout_s=60.0))
+engine = workers.build_engine(workers.config("acco", collective_timeout_s=60.0, async_save=True))
 topology = engine.optimizer.topology
-GROUPS.update(shard=topology.shard.group, control=topology.control.group)
+GROUPS.update(shard=topology.shard.group, control=topology.control.group, save=engine.checkpointer._group)
 guard = PreemptionGuard(topology.control.group)
 for step in range(3):
     workers.train(engine, 1, start=step, rank=rank)

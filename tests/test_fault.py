@@ -16,16 +16,22 @@ TIMEOUT_S = 12
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("how", ["die", "stall"])
-def test_lost_rank_stops_the_others(how):
-    port = free_port()
-    procs = []
+def _launch(script, *args):
+    """``script`` (beside this file) with ``args`` on 2 ranks, a process each, as torchrun would
+    start them; returns the processes, stdout and stderr piped."""
+    port, procs = free_port(), []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "rank_dies.py"), str(TIMEOUT_S), how],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("how", ["die", "stall"])
+def test_lost_rank_stops_the_others(how):
+    procs = _launch("rank_dies.py", str(TIMEOUT_S), how)
     t0 = time.monotonic()
     try:
         out, err = procs[0].communicate(timeout=180)
@@ -46,25 +52,14 @@ def test_lost_rank_stops_the_others(how):
           f"{[l for l in err.splitlines() if 'CollectiveError' in l][-1]}")
 
 
-def _launch(script_args):
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ends_without_teardown.py"), *script_args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
-
-
 def test_a_script_that_never_tears_down_exits_cleanly(tmp_path):
     """Most scripts end without ``engine.destroy()`` or ``destroy_process_group``; a comm thread
     still inside a collective when the interpreter finalizes aborts the rank (SIGABRT) after
     training succeeded. ds_lowcomm's exit handler destroys the engine first: with acco's last
     round and a preemption guard's all-reduce in flight at the end, both ranks exit 0, the comm
-    thread stopped and ds_lowcomm's groups destroyed."""
+    thread stopped and ds_lowcomm's groups (the asynchronous saves' too) destroyed."""
     prefix = str(tmp_path / "rank")
-    procs = _launch([prefix, "end"])
+    procs = _launch("ends_without_teardown.py", prefix, "end")
     try:
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
@@ -82,7 +77,7 @@ def test_a_rank_that_raises_exits_without_waiting_for_its_rounds(tmp_path):
     """After an uncaught exception the exit handler waits for nothing: rank 0 raises with a round
     in flight that rank 1 (alive, stopped) never joins, and exits within seconds, not after the
     60 s collective timeout its round would take to fail."""
-    procs = _launch([str(tmp_path / "rank"), "raise"])
+    procs = _launch("ends_without_teardown.py", str(tmp_path / "rank"), "raise")
     try:
         out, err = procs[0].communicate(timeout=180)
         exited = time.time()
