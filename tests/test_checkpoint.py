@@ -332,6 +332,9 @@ PER_RANK = {
     # after a compressed sync at step 2: each replica's error buffer holds what it did not send
     "desloc-compressed": (workers.config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 2, "momentum_sync_every": 0, "variance_sync_every": 0, "sync_topk": 1}), 6),
+    # after compressed moment syncs (m at 2, v at 3): the replicas' moments differ, the anchors agree
+    "desloc-compressed-moments": (workers.config("desloc", shard_group_size=1, desloc={
+        "param_sync_every": 5, "momentum_sync_every": 2, "variance_sync_every": 3, "moment_sync_topk": 2}), 8),
     # a streamed sync launched at step 3 with the first moment, saved in flight (it would be
     # applied at step 5); loaded at another layout, the moments' replica mean is what applying it gives
     "desloc-streamed": (workers.config("desloc", shard_group_size=1, desloc={
@@ -359,7 +362,8 @@ def _load_per_rank(rank, world, save_dir, mode):
     else:
         a = opt.mode.adamw
         out.update({k: getattr(a, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}, step=a.step_count,
-                   params=opt.flat.unpadded(opt.flat.buffer).float().clone())
+                   params=opt.flat.unpadded(opt.flat.buffer).float().clone(),
+                   anchors={k: m.anchor.clone() for k, m in opt.mode.syncs.moment_syncs.items()})
     out.update(start=opt.flat.layout.shard_start,
                losses=workers.train(engine, 2, start=4, rank=rank), digest=workers.params_digest(engine))
     return out
@@ -409,6 +413,8 @@ def test_per_rank_state_reshards(tmp_path, mode):
                 shard = got[key]
                 real = max(0, min(shard.numel(), numel - got["start"]))
                 assert torch.equal(shard[:real], mean[got["start"]: got["start"] + real]), key
+                if key in got.get("anchors", {}):  # anchored where a dense sync would have agreed
+                    assert torch.equal(got["anchors"][key], shard), key
             if mode.startswith("desloc"):
                 assert got["step"] == saved[0]["mode"]["step"]
                 want = (saved[0]["shards"]["master"][:numel] + saved[1]["shards"]["master"][:numel]) / 2

@@ -98,6 +98,14 @@ BAD = [
      "lowcomm.desloc.sync_chunk", "at most 64"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"sync_topk": 4, "sync_values": "int4"}),
      "lowcomm.desloc.sync_values", "int2"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"moment_sync_topk": 65}),
+     "lowcomm.desloc.moment_sync_topk", "at most sync_chunk (64)"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={
+        "moment_sync_topk": 2, "momentum_sync_every": 0, "variance_sync_every": 0}),
+     "lowcomm.desloc.moment_sync_topk", "set one of them, or leave moment_sync_topk out"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={
+        "moment_sync_topk": 2, "param_sync_delay": 2}),
+     "lowcomm.desloc.moment_sync_topk", "set param_sync_delay to 0"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"param_sync_every": 4,
                                                                                 "param_sync_delay": 4}),
      "lowcomm.desloc.param_sync_delay", "at most param_sync_every - 1 (3)"),

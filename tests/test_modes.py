@@ -492,6 +492,127 @@ def test_desloc_compressed_syncs_follow_the_equations(variant):
     assert ops["replica.all_gather"]["calls"] == 3 and ops["replica.all_gather"]["bytes_sent"] == 3 * payload
 
 
+def _desloc_compressed_moments_reference(kx, ku, kv, topk, chunk, values, floored):
+    """Two replicas, each AdamW on its own data, the parameters averaged every Kx steps; each
+    moment s every K_s steps a compressed sync of its change since the last one: over the flat
+    moment padded to 112, d_r = s_r − a, a the moment both replicas agreed on at the last sync plus
+    the means since (zero at the start); d̂_r = each chunk's ``topk`` largest |d_r|, rounded
+    (``_sent``); s_r ← s_r + mean(d̂) − d̂_r, kept at least s_r / 2 for the second moment (a dense
+    average never leaves less), and a ← a + mean(d̂). ``floored`` collects, per second-moment
+    sync, how many elements the floor raised."""
+    models = [_model(), _model()]
+    opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
+    pairs = list(zip(models[0].parameters(), models[1].parameters()))
+    anchors = {"exp_avg": torch.zeros(112), "exp_avg_sq": torch.zeros(112)}
+    out = []
+    for t in range(1, STEPS + 1):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
+                p.grad = g
+            opt.step()
+        for key, every in (("exp_avg", ku), ("exp_avg_sq", kv)):
+            if t % every:
+                continue
+            moments = [torch.cat([opts[r].state[p[r]][key].reshape(-1) for p in pairs]) for r in range(2)]
+            moments = [torch.cat([s, s.new_zeros(112 - s.numel())]) for s in moments]
+            sent = [_sent(s - anchors[key], chunk, topk, values)[0].view(-1) for s in moments]
+            mean = (sent[0] + sent[1]) / 2
+            for r in range(2):
+                s = moments[r] + (mean - sent[r])
+                if key == "exp_avg_sq":
+                    floored.append(int((s < moments[r] / 2).sum()))
+                    s = torch.maximum(s, moments[r] / 2)
+                assert s[103:].abs().sum() == 0  # (the padding: nothing picked there)
+                at = 0
+                for p in pairs:
+                    n = p[r].numel()
+                    opts[r].state[p[r]][key] = s[at:at + n].view_as(p[r]).clone()
+                    at += n
+            anchors[key] = anchors[key] + mean
+        if t % kx == 0:
+            with torch.no_grad():
+                for pa, pb in pairs:
+                    avg = (pa + pb) * 0.5
+                    pa.copy_(avg)
+                    pb.copy_(avg)
+        out.append([_flat(m) for m in models])
+    return out
+
+
+@pytest.mark.parametrize("values", ["bf16", "int8", "int2"])
+def test_desloc_compressed_moment_syncs_follow_the_equations(values):
+    """moment_sync_topk: each moment sync sends 3 of every 16 elements of the moment's change since
+    its last sync per replica (Ku 2, Kv 3: the second moment synced at steps 3 and 6); what a
+    replica did not send stays in its moment; the parameters averaged dense every 2 steps."""
+    sync = dict(param_sync_every=2, momentum_sync_every=2, variance_sync_every=3, moment_sync_topk=3,
+                sync_chunk=16, sync_values=values)
+    results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": sync}, 0.0, "params")
+    floored = []
+    ref = _desloc_compressed_moments_reference(2, 2, 3, 3, 16, values, floored)
+    for t in range(STEPS):
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][r], rtol=1e-6, atol=1e-7)
+    assert all(floored)  # the second moment's floor acted in each of its syncs, on every variant
+    # the parameters: one all-reduce of the 112 padded elements per sync (steps 2, 4, 6), 2(R−1)/R
+    # of them sent; the moments: one all-gather of a 7-chunk payload per sync (the first moment at
+    # 2, 4, 6, the second at 3, 6), (R−1)/R of the 2 payloads sent: 7 chunks × 3 × (1-byte index +
+    # 2-byte bf16 value, or 1-byte int8 value + a 4-byte scale per chunk; int2: 1 byte + 8 bytes
+    # of (lo, hi)), padded to whole elements of the widest section
+    payload = {"bf16": 7 * 3 * 3 + 1, "int8": 7 * 3 * 2 + 7 * 4 + 2, "int2": 7 * 3 + 8 + 3}[values]
+    ops = results[0]["bytes"]
+    assert ops["replica.all_reduce"]["calls"] == 3 and ops["replica.all_reduce"]["bytes_sent"] == 3 * 112 * 4
+    assert ops["replica.all_gather"]["calls"] == 5 and ops["replica.all_gather"]["bytes_sent"] == 5 * payload
+
+
+def _moment_sync_over_ranges(rank, world, ranges):
+    """Two syncs of a 40-element 'second moment' over ``ranges`` on a real replica group: anchor
+    at zero, each rank's own moment, then a second sync after a local change."""
+    from ds_lowcomm.comm.collectives import CommStats
+    from ds_lowcomm.comm.topology import Topology
+    from ds_lowcomm.modes.desloc import DeslocOptions, MomentSync
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    stats = CommStats()
+    topo = Topology.build(1, 60.0, stats)
+    g = torch.Generator().manual_seed(rank)
+    state = torch.zeros(40)
+    sync = MomentSync(DeslocOptions(moment_sync_topk=2, sync_chunk=8), state, ranges, nonnegative=True)
+    out = []
+    for _ in range(2):
+        for a, b in ranges:
+            state[a:b] += torch.rand(b - a, generator=g) * torch.rand(b - a, generator=g)
+        before = state.clone()
+        sync.sync(state, topo.replica)
+        out.append((before, state.clone(), sync.anchor.clone()))
+    torch.distributed.destroy_process_group()
+    return out, stats.as_dict()["ops"]["replica.all_gather"]
+
+
+def test_a_moment_sync_packs_the_ranges_it_carries():
+    """Muon's second moment lives on the AdamW ranges of the shard only: a compressed sync packs
+    those ranges (17 elements here: 3 chunks of 8), sends the top 2 of each packed chunk, leaves the
+    rest of the shard alone, and keeps v ≥ v_old / 2; checked against the equations on the
+    packed vector."""
+    ranges = [(3, 10), (25, 35)]
+    results = run_ranks(_moment_sync_over_ranges, 2, ranges)
+    idx = torch.cat([torch.arange(a, b) for a, b in ranges])
+    anchor = torch.zeros(40)
+    for k in range(2):
+        packed = [torch.cat([res[0][k][0][idx], torch.zeros(7)]) for res in results]  # 17 → 24
+        sent = [_sent(p - torch.cat([anchor[idx], torch.zeros(7)]), 8, 2, "bf16")[0].view(-1) for p in packed]
+        mean = (sent[0] + sent[1]) / 2
+        anchor[idx] += mean[:17]
+        for r, res in enumerate(results):
+            before, after, got_anchor = res[0][k]
+            want = before.clone()
+            want[idx] = torch.maximum(packed[r] + (mean - sent[r]), packed[r] / 2)[:17]
+            assert torch.equal(after, want), (k, r)
+            assert torch.equal(got_anchor, anchor), (k, r)
+    # 3 chunks × 2 × (1-byte index + 2-byte bf16 value) = 18 bytes per payload, one sent per sync
+    ops = results[0][1]
+    assert ops["calls"] == 2 and ops["bytes_sent"] == 2 * 18
+
+
 def test_sparse_codec_keeps_what_it_does_not_send():
     """Error feedback, bit for bit: after encoding u, the buffer holds u where nothing was sent
     and u − (the value sent) where something was; the sent entries are each chunk's largest |u|."""

@@ -21,6 +21,16 @@ int8 or int2, in one all-gather; every replica applies the same mean and keeps t
 buffer. The parameter term above becomes (R−1) · P / Kx, P the payload (``ChunkTopK``), about
 S·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard element (the anchor
 and the error buffer: 8/S bytes per parameter).
+``moment_sync_topk`` > 0 compresses the moment syncs (:class:`MomentSync`), each moment s on its
+own period: replica r sends the top-k of each chunk of its change since the last sync,
+d_r = s_r − a (a, the anchor: what the replicas agreed on then), rounded (d̂_r); then
+s_r ← s_r + mean(d̂) − d̂_r and a ← a + mean(d̂). Sent whole, that is the dense average; what a
+replica did not send stays in its own moment, and its next sync carries it (no error buffer; a
+moment is never reset to a value it did not reach). v keeps s_r ≥ s_r,old / R, the least a dense
+average leaves: a rounded mean could cross 0, and a v far below m² makes Adam's step explode.
+With Muon the second moment's sync packs the AdamW ranges only. Its term above becomes
+(R−1) · P_s / K_s; 4/S bytes per parameter per moment (the anchor). Synchronous only: refused
+with ``param_sync_delay``, whose flight carries the moments dense.
 ``param_sync_delay`` D > 0 streams the parameter syncs (Streaming DiLoCo's overlap, arXiv
 2501.18512): at a sync the master is copied and its all-reduce (and the outer step) runs on the
 comm worker while the next D local steps compute; after step t + D's update the result x̄ replaces
@@ -92,9 +102,12 @@ class DeslocOptions:
     sync_topk: int = option(0, "compressed parameter syncs: entries of each sync_chunk sent per replica "
                             "(the largest of the pseudo-gradient plus the error feedback; the rest "
                             "stays in a per-rank error buffer); 0 = dense average", minimum=0)
-    sync_chunk: int = option(64, "elements per chunk of a compressed parameter sync (indices travel in "
+    moment_sync_topk: int = option(0, "compressed moment syncs: entries of each sync_chunk of a moment's change "
+                                   "since its last sync sent per replica (error feedback as for the "
+                                   "parameters); 0 = dense averages", minimum=0)
+    sync_chunk: int = option(64, "elements per chunk of a compressed sync (indices travel in "
                              "1 byte up to 256, else 2)", minimum=1)
-    sync_values: str = option("bf16", "values of a compressed parameter sync: 'bf16' (2 bytes), 'int8' "
+    sync_values: str = option("bf16", "values of a compressed sync: 'bf16' (2 bytes), 'int8' "
                               "(1 byte, one fp32 scale per chunk) or 'int2' (sign and one of two "
                               "magnitudes, in the index's byte; sync_chunk <= 64)", choices=VALUES)
     param_sync_delay: int = option(0, "streamed parameter syncs: local steps a sync's all-reduce runs behind "
@@ -144,11 +157,13 @@ class ReplicaSyncs:
     replica, whatever their verdicts: it paces the syncs) and, with the outer Nesterov optimizer,
     its anchor (the parameters at the last sync) and momentum, shards like the master's."""
 
-    def __init__(self, options: DeslocOptions, master: torch.Tensor, worker: Optional[CommWorker] = None) -> None:
+    def __init__(self, options: DeslocOptions, adamw: ShardAdamW, worker: Optional[CommWorker] = None) -> None:
         """The anchor (the parameters at the last sync) exists with the outer optimizer or
-        compressed syncs; the error buffer with compressed syncs; with ``param_sync_delay`` the
-        streamed sync's two buffers (and two per moment ever averaged) and ``worker``, the comm worker
-        its all-reduce runs on."""
+        compressed syncs; the error buffer with compressed syncs; with ``moment_sync_topk`` a
+        :class:`MomentSync` per moment ever averaged; with ``param_sync_delay`` the streamed sync's
+        two buffers (and two per moment ever averaged) and ``worker``, the comm worker its
+        all-reduce runs on."""
+        master = adamw.master
         kx = options.param_sync_every
         ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
         kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
@@ -163,6 +178,13 @@ class ReplicaSyncs:
         self.anchored = self.outer or self.codec is not None
         if self.anchored:
             self.restart(master)
+        #: compressed moment syncs, by moment (each over the ranges the inner optimizer fills)
+        self.moment_syncs: Dict[str, MomentSync] = {}
+        if options.moment_sync_topk:
+            for key in MOMENTS:
+                if self.periods[key] != NEVER:
+                    self.moment_syncs[key] = MomentSync(options, getattr(adamw, key), adamw.informative_ranges(key),
+                                                        nonnegative=key == "exp_avg_sq")
         self.delay, self.worker = options.param_sync_delay, worker
         #: the streamed sync in flight (or run and not yet applied), and the round it is applied at
         self.ticket: Optional[Ticket] = None
@@ -224,7 +246,10 @@ class ReplicaSyncs:
             due.remove("master")
             self.sync_compressed(adamw.master, replica)
         for k in due:  # (Muon's second moment: zero on its matrices, not sent)
-            average_ranges(replica, getattr(adamw, k), adamw.informative_ranges(k))
+            if k in self.moment_syncs:
+                self.moment_syncs[k].sync(getattr(adamw, k), replica)
+            else:
+                average_ranges(replica, getattr(adamw, k), adamw.informative_ranges(k))
         if self.outer and "master" in due:
             delta = self.anchor - adamw.master  # identical on every replica: from averages
             self.outer_step(delta, slice(None))
@@ -308,15 +333,95 @@ class ReplicaSyncs:
     def apply_compressed(self, replica) -> None:
         """Every replica's payload in one all-gather of :attr:`ChunkTopK.payload_bytes` each; the
         anchor moved by their mean (or the outer step on it), the same on every replica."""
-        codec, n = self.codec, self.anchor.numel()
+        for mean, a, b in gathered_means(self.codec, replica, self.payload):
+            self.outer_step(mean, slice(a, b))
+
+
+class MomentSync:
+    """A moment's compressed syncs (``moment_sync_topk``; module doc) over ``ranges`` of the shard
+    (the inner optimizer's informative ranges; None: all of it): the anchor, the moment as every
+    replica agreed on it at the last sync plus the means sent since. What a replica has not sent
+    stays in its moment (its change from the anchor), so it has no error buffer of its own.
+    ``nonnegative`` (the second moment): a sync never takes an element below 1/R of its value."""
+
+    def __init__(self, options: DeslocOptions, state: torch.Tensor, ranges, nonnegative: bool) -> None:
+        """Anchored at ``state``: one fp32 buffer of the shard's size (4/S bytes per parameter)
+        and the payload."""
+        self.ranges, self.nonnegative = ranges or [(0, state.numel())], nonnegative
+        count = sum(b - a for a, b in self.ranges)
+        # (no codec where the shard carries none of this moment: every replica of the shard agrees)
+        self.codec = (ChunkTopK(count, options.sync_chunk, options.moment_sync_topk, options.sync_values)
+                      if count else None)
+        self.payload = torch.zeros(self.codec.payload_bytes if count else 0, dtype=torch.uint8, device=state.device)
+        self.anchor = state.clone()
+
+    def sync(self, state: torch.Tensor, replica) -> None:
+        """Each replica sends the top-k of each chunk of its change d_r = s_r − anchor, rounded
+        (d̂_r); then s_r ← s_r + mean(d̂) − d̂_r and anchor ← anchor + mean(d̂), the same on every
+        replica. Sent whole, this is the dense average; what a replica did not send, d_r − d̂_r,
+        stays in s_r − anchor, so its next sync carries it (CHOCO-SGD's compressed differences
+        to a public copy, arXiv 1902.00340, with one copy the replicas share). The second moment
+        keeps s_r ≥ s_r,old / R, the least a dense average can leave (the mean of R values ≥ 0
+        is at least each one's R-th part): a rounded mean could cross 0, and a v far below m²
+        would make the Adam step m/√v explode. Cost: one all-gather, (R−1)/R · R ·
+        :attr:`ChunkTopK.payload_bytes` sent per rank; temporaries of a block of chunks."""
+        codec = self.codec
+        if codec is None:
+            return
+        view = codec.views(self.payload)
+        for r0, r1, d in self._blocks():  # d_r, packed, a block of chunks at a time
+            for at, lo, hi in packed_pieces(self.ranges, r0 * codec.chunk, r1 * codec.chunk):
+                torch.sub(state[lo:hi], self.anchor[lo:hi], out=d[at - r0 * codec.chunk:][:hi - lo])
+            codec.encode_rows(d.view(r1 - r0, codec.chunk), view, r0, r1)
         gathered = self.payload.new_empty(replica.world * codec.payload_bytes)
         replica.all_gather(gathered, self.payload)
         payloads = list(gathered.chunk(replica.world))
-        for r0, r1 in codec.row_blocks():
-            a, b = r0 * codec.chunk, min(n, r1 * codec.chunk)
-            mean = temporary((r1 - r0) * codec.chunk, torch.float32, self.anchor.device).view(r1 - r0, codec.chunk)
-            codec.mean_into(payloads, r0, r1, mean)
-            self.outer_step(mean.view(-1)[: b - a], slice(a, b))
+        for r0, r1, mean in self._blocks():
+            own = temporary(mean.numel(), torch.float32, mean.device)
+            codec.mean_into(payloads, r0, r1, mean.view(r1 - r0, codec.chunk))
+            codec.mean_into([self.payload], r0, r1, own.view(r1 - r0, codec.chunk))
+            own.neg_().add_(mean)  # mean(d̂) − d̂_r
+            for at, lo, hi in packed_pieces(self.ranges, r0 * codec.chunk, r1 * codec.chunk):
+                i = at - r0 * codec.chunk
+                s = state[lo:hi]
+                if self.nonnegative:
+                    torch.maximum(s + own[i:i + hi - lo], s / replica.world, out=s)
+                else:
+                    s.add_(own[i:i + hi - lo])
+                self.anchor[lo:hi].add_(mean[i:i + hi - lo])
+
+    def _blocks(self):
+        """``(r0, r1, scratch)``: the codec's blocks of chunk rows, each with a zeroed fp32
+        temporary of its elements (the padding of the last chunk stays zero)."""
+        for r0, r1 in self.codec.row_blocks():
+            yield r0, r1, temporary((r1 - r0) * self.codec.chunk, torch.float32, self.anchor.device).zero_()
+
+
+def packed_pieces(ranges, a: int, b: int):
+    """The packed elements ``[a, b)`` of ``ranges`` (``(start, end)`` shard pairs, packed in
+    order) as ``(packed start, shard start, shard end)`` pieces; ``b`` may run past the packed
+    elements (a codec's padding)."""
+    at = 0
+    for lo, hi in ranges:
+        start, end = max(a, at), min(b, at + hi - lo)
+        if start < end:
+            yield start, lo + start - at, lo + end - at
+        at += hi - lo
+
+
+def gathered_means(codec: ChunkTopK, replica, payload: torch.Tensor):
+    """Every replica's ``payload`` in one all-gather (``codec.payload_bytes`` each; (R−1)/R of the
+    R payloads sent per rank); yields the mean of what they sent a block of chunks at a time, as
+    ``(mean, a, b)``: elements ``[a, b)`` of the encoded vector (``mean``, b − a of them, is a
+    temporary: use it before taking the next). The same bits on every replica."""
+    gathered = payload.new_empty(replica.world * codec.payload_bytes)
+    replica.all_gather(gathered, payload)
+    payloads = list(gathered.chunk(replica.world))
+    for r0, r1 in codec.row_blocks():
+        a, b = r0 * codec.chunk, min(codec.numel, r1 * codec.chunk)
+        mean = temporary((r1 - r0) * codec.chunk, torch.float32, payload.device).view(r1 - r0, codec.chunk)
+        codec.mean_into(payloads, r0, r1, mean)
+        yield mean.view(-1)[: b - a], a, b
 
 
 def average_ranges(replica, state: torch.Tensor, ranges) -> None:
@@ -400,11 +505,23 @@ class Desloc(Mode):
             raise LowCommConfigError(f"lowcomm.desloc.param_sync_delay: got {o.param_sync_delay}; at most "
                                      f"param_sync_every - 1 ({o.param_sync_every - 1}): one parameter sync "
                                      f"in flight at a time")
-        if o.sync_topk == 0:
+        if o.moment_sync_topk:
+            ku, kv = o.momentum_sync_every, o.variance_sync_every
+            if ku == NEVER and kv == NEVER:
+                raise LowCommConfigError("lowcomm.desloc.moment_sync_topk: applies to moment syncs, and "
+                                         "momentum_sync_every and variance_sync_every are both 0 (never); "
+                                         "set one of them, or leave moment_sync_topk out")
+            if o.param_sync_delay:
+                raise LowCommConfigError(f"lowcomm.desloc.moment_sync_topk: compressed moment syncs are "
+                                         f"synchronous, and param_sync_delay {o.param_sync_delay} streams the "
+                                         f"moments with the parameters; set param_sync_delay to 0, or "
+                                         f"moment_sync_topk to 0")
+        if o.sync_topk == 0 and o.moment_sync_topk == 0:
             for key in ("sync_chunk", "sync_values"):
                 if key in section:
-                    raise LowCommConfigError(f"lowcomm.desloc.{key}: applies to compressed parameter syncs; "
-                                             f"set lowcomm.desloc.sync_topk (e.g. 1) or leave {key} out")
+                    raise LowCommConfigError(f"lowcomm.desloc.{key}: applies to compressed syncs; set "
+                                             f"lowcomm.desloc.sync_topk or moment_sync_topk (e.g. 1), or leave "
+                                             f"{key} out")
             return
         if o.sync_chunk > MAX_CHUNK:
             raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk}; at most {MAX_CHUNK}")
@@ -412,9 +529,10 @@ class Desloc(Mode):
             raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk} with sync_values 'int2', "
                                      f"which packs a 6-bit index into each value's byte; set sync_chunk to at "
                                      f"most {INT2_MAX_CHUNK}, or sync_values to 'int8' or 'bf16'")
-        if o.sync_topk > o.sync_chunk:
-            raise LowCommConfigError(f"lowcomm.desloc.sync_topk: got {o.sync_topk}; at most sync_chunk "
-                                     f"({o.sync_chunk}): it counts the entries sent per chunk")
+        for key in ("sync_topk", "moment_sync_topk"):
+            if getattr(o, key) > o.sync_chunk:
+                raise LowCommConfigError(f"lowcomm.desloc.{key}: got {getattr(o, key)}; at most sync_chunk "
+                                         f"({o.sync_chunk}): it counts the entries sent per chunk")
 
     def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
         super().__init__(ctx, options)
@@ -423,7 +541,7 @@ class Desloc(Mode):
                                    ctx.topology.shard)
         else:
             self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
-        self.syncs = ReplicaSyncs(options, self.adamw.master, ctx.worker)
+        self.syncs = ReplicaSyncs(options, self.adamw, ctx.worker)
         # The local step runs on the training thread; the comm worker (param_sync_delay > 0) is
         # the streamed syncs' alone, so a sync in flight never queues a step behind it.
         self.local_ctx = dataclasses.replace(ctx, worker=None)
@@ -466,6 +584,8 @@ class Desloc(Mode):
             sharded["outer_buf"] = syncs.outer_buf
         if syncs.codec is not None:  # this replica's own: what its syncs have not sent yet
             sharded["sync_error"] = syncs.error[: a.master.numel()]
+        for key, moment in syncs.moment_syncs.items():  # (what is not sent yet: in the moment itself)
+            sharded[f"anchor_{key}"] = moment.anchor
         meta = {"rounds": syncs.rounds, "inner_optimizer": self.options.inner_optimizer}
         rank = {"step": a.step_count}
         if syncs.ticket is not None:  # a streamed sync run (settle) and not yet applied
@@ -499,7 +619,10 @@ class Desloc(Mode):
         A saved error buffer (compressed syncs) is kept where this run compresses too with the
         same layout; anywhere else it is folded into the master (master − error: the progress the
         syncs had not sent yet, which the next sync then carries), so no progress is lost. A run
-        that compresses a checkpoint saved without it anchors at the replicas' mean master.
+        that compresses a checkpoint saved without it anchors at the replicas' mean master. A
+        compressed moment sync's anchor is kept with the same layout; anywhere else, or saved
+        without one, it is the replicas' mean moment (what a dense sync would have agreed on).
+        What its syncs had not sent is in the moments themselves, so nothing is folded.
 
         A streamed sync saved in flight is restored in flight where this run streams too with the
         same layout (applied at the same round, as if never interrupted); anywhere else it is
@@ -520,6 +643,8 @@ class Desloc(Mode):
             syncs.rounds = 0
             if syncs.anchored:
                 syncs.restart(a.master)
+            for key, moment in syncs.moment_syncs.items():  # (the moments restart at zero)
+                moment.anchor = getattr(a, key).clone()
             self.ctx.set_params(params)
             return
         keys = shards.keys()
@@ -552,6 +677,9 @@ class Desloc(Mode):
             syncs.error.zero_()
             if keep_error:
                 syncs.error[: a.master.numel()].copy_(read("sync_error"))
+        for key, moment in syncs.moment_syncs.items():  # compressed moment syncs (this method's doc)
+            keep = rank is not None and f"anchor_{key}" in keys
+            moment.anchor = read(f"anchor_{key}") if keep else mean(key)
         if "sync_launched" in keys:  # a streamed sync in flight at the save
             moments = [k for k in MOMENTS if f"sync_launched_{k}" in keys] if rank is not None else []
             launch_step = int(rank["sync_launch_step"]) if moments else 0

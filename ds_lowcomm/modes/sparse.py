@@ -167,15 +167,19 @@ class ChunkTopK:
         view = self.views(payload)
         rows = error.view(self.chunks, self.chunk)
         for r0, r1 in self.row_blocks():
-            u = rows[r0:r1]
-            magnitude = temporary(u.numel(), torch.float32, u.device).view_as(u)
-            torch.abs(u, out=magnitude)
-            idx = magnitude.topk(self.topk, dim=1, sorted=False).indices
-            picked = u.gather(1, idx)
-            if self.values == "int2":
-                self.encode_int2(view, r0, r1, idx, picked)
-                u.scatter_(1, idx, picked - self.dequantize(view, r0, r1))
-                continue
+            self.encode_rows(rows[r0:r1], view, r0, r1)
+
+    @torch.no_grad()
+    def encode_rows(self, u: torch.Tensor, view: dict, r0: int, r1: int) -> None:
+        """:meth:`encode` of chunk rows ``r0:r1`` (a block of :meth:`row_blocks`): ``u``
+        (``[r1 − r0, chunk]`` fp32) into the payload ``view``, what was not sent left in ``u``."""
+        magnitude = temporary(u.numel(), torch.float32, u.device).view_as(u)
+        torch.abs(u, out=magnitude)
+        idx = magnitude.topk(self.topk, dim=1, sorted=False).indices
+        picked = u.gather(1, idx)
+        if self.values == "int2":  # (its indices share their bytes with the values)
+            self.encode_int2(view, r0, r1, idx, picked)
+        else:
             if self.values == "bf16":
                 view["values"][r0:r1] = picked.to(torch.bfloat16)
             else:
@@ -185,7 +189,7 @@ class ChunkTopK:
                 view["values"][r0:r1] = (picked / safe * INT8_LEVELS).round_().clamp_(
                     -INT8_LEVELS, INT8_LEVELS).to(torch.int8)
             view["index"][r0:r1] = idx.to(self.index_dtype)
-            u.scatter_(1, idx, picked - self.dequantize(view, r0, r1))
+        u.scatter_(1, idx, picked - self.dequantize(view, r0, r1))
 
     @torch.no_grad()
     def mean_into(self, payloads: List[torch.Tensor], r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
