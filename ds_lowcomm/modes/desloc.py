@@ -103,8 +103,8 @@ class DeslocOptions:
                             "(the largest of the pseudo-gradient plus the error feedback; the rest "
                             "stays in a per-rank error buffer); 0 = dense average", minimum=0)
     moment_sync_topk: int = option(0, "compressed moment syncs: entries of each sync_chunk of a moment's change "
-                                   "since its last sync sent per replica (error feedback as for the "
-                                   "parameters); 0 = dense averages", minimum=0)
+                                   "since its last sync sent per replica (what is not sent stays in the "
+                                   "replica's moment for the next sync); 0 = dense averages", minimum=0)
     sync_chunk: int = option(64, "elements per chunk of a compressed sync (indices travel in "
                              "1 byte up to 256, else 2)", minimum=1)
     sync_values: str = option("bf16", "values of a compressed sync: 'bf16' (2 bytes), 'int8' "
@@ -183,7 +183,10 @@ class ReplicaSyncs:
         if options.moment_sync_topk:
             for key in MOMENTS:
                 if self.periods[key] != NEVER:
-                    self.moment_syncs[key] = MomentSync(options, getattr(adamw, key), adamw.informative_ranges(key),
+                    ranges = adamw.informative_ranges(key)
+                    if ranges is None:  # the shard's parameters: its padding is never picked or sent
+                        ranges = [(seg.start, seg.end) for seg in adamw.segments]
+                    self.moment_syncs[key] = MomentSync(options, getattr(adamw, key), ranges,
                                                         nonnegative=key == "exp_avg_sq")
         self.delay, self.worker = options.param_sync_delay, worker
         #: the streamed sync in flight (or run and not yet applied), and the round it is applied at
@@ -339,7 +342,7 @@ class ReplicaSyncs:
 
 class MomentSync:
     """A moment's compressed syncs (``moment_sync_topk``; module doc) over ``ranges`` of the shard
-    (the inner optimizer's informative ranges; None: all of it): the anchor, the moment as every
+    (``(start, end)`` pairs: where the moment can differ from zero, never the padding): the anchor, the moment as every
     replica agreed on it at the last sync plus the means sent since. What a replica has not sent
     stays in its moment (its change from the anchor), so it has no error buffer of its own.
     ``nonnegative`` (the second moment): a sync never takes an element below 1/R of its value."""
@@ -347,9 +350,10 @@ class MomentSync:
     def __init__(self, options: DeslocOptions, state: torch.Tensor, ranges, nonnegative: bool) -> None:
         """Anchored at ``state``: one fp32 buffer of the shard's size (4/S bytes per parameter)
         and the payload."""
-        self.ranges, self.nonnegative = ranges or [(0, state.numel())], nonnegative
-        count = sum(b - a for a, b in self.ranges)
-        # (no codec where the shard carries none of this moment: every replica of the shard agrees)
+        self.ranges, self.nonnegative = ranges, nonnegative
+        count = sum(b - a for a, b in ranges)
+        # No codec where the shard carries none of this moment (padding, or Muon's matrices alone):
+        # the replicas of a shard share its layout, so they agree on skipping the all-gather.
         self.codec = (ChunkTopK(count, options.sync_chunk, options.moment_sync_topk, options.sync_values)
                       if count else None)
         self.payload = torch.zeros(self.codec.payload_bytes if count else 0, dtype=torch.uint8, device=state.device)
@@ -370,12 +374,11 @@ class MomentSync:
             return
         view = codec.views(self.payload)
         for r0, r1, d in self._blocks():  # d_r, packed, a block of chunks at a time
+            d.zero_()  # (the padding of the last chunk stays zero: never picked over a real element)
             for at, lo, hi in packed_pieces(self.ranges, r0 * codec.chunk, r1 * codec.chunk):
                 torch.sub(state[lo:hi], self.anchor[lo:hi], out=d[at - r0 * codec.chunk:][:hi - lo])
             codec.encode_rows(d.view(r1 - r0, codec.chunk), view, r0, r1)
-        gathered = self.payload.new_empty(replica.world * codec.payload_bytes)
-        replica.all_gather(gathered, self.payload)
-        payloads = list(gathered.chunk(replica.world))
+        payloads = gather_payloads(codec, replica, self.payload)
         for r0, r1, mean in self._blocks():
             own = temporary(mean.numel(), torch.float32, mean.device)
             codec.mean_into(payloads, r0, r1, mean.view(r1 - r0, codec.chunk))
@@ -391,10 +394,10 @@ class MomentSync:
                 self.anchor[lo:hi].add_(mean[i:i + hi - lo])
 
     def _blocks(self):
-        """``(r0, r1, scratch)``: the codec's blocks of chunk rows, each with a zeroed fp32
-        temporary of its elements (the padding of the last chunk stays zero)."""
+        """``(r0, r1, scratch)``: the codec's blocks of chunk rows, each with an fp32 temporary of
+        its elements (uninitialised)."""
         for r0, r1 in self.codec.row_blocks():
-            yield r0, r1, temporary((r1 - r0) * self.codec.chunk, torch.float32, self.anchor.device).zero_()
+            yield r0, r1, temporary((r1 - r0) * self.codec.chunk, torch.float32, self.anchor.device)
 
 
 def packed_pieces(ranges, a: int, b: int):
@@ -409,14 +412,20 @@ def packed_pieces(ranges, a: int, b: int):
         at += hi - lo
 
 
+def gather_payloads(codec: ChunkTopK, replica, payload: torch.Tensor) -> List[torch.Tensor]:
+    """Every replica's ``payload`` (``codec.payload_bytes``), in replica order, from one
+    all-gather over ``replica``: (R−1)/R of the R payloads sent per rank."""
+    gathered = payload.new_empty(replica.world * codec.payload_bytes)
+    replica.all_gather(gathered, payload)
+    return list(gathered.chunk(replica.world))
+
+
 def gathered_means(codec: ChunkTopK, replica, payload: torch.Tensor):
     """Every replica's ``payload`` in one all-gather (``codec.payload_bytes`` each; (R−1)/R of the
     R payloads sent per rank); yields the mean of what they sent a block of chunks at a time, as
     ``(mean, a, b)``: elements ``[a, b)`` of the encoded vector (``mean``, b − a of them, is a
     temporary: use it before taking the next). The same bits on every replica."""
-    gathered = payload.new_empty(replica.world * codec.payload_bytes)
-    replica.all_gather(gathered, payload)
-    payloads = list(gathered.chunk(replica.world))
+    payloads = gather_payloads(codec, replica, payload)
     for r0, r1 in codec.row_blocks():
         a, b = r0 * codec.chunk, min(codec.numel, r1 * codec.chunk)
         mean = temporary((r1 - r0) * codec.chunk, torch.float32, payload.device).view(r1 - r0, codec.chunk)
