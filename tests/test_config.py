@@ -100,6 +100,14 @@ BAD = [
      "lowcomm.desloc.sync_values", "int2"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"moment_sync_topk": 65}),
      "lowcomm.desloc.moment_sync_topk", "at most sync_chunk (64)"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"moment_sync_values": "int8"}),
+     "lowcomm.desloc.moment_sync_values", "set lowcomm.desloc.moment_sync_topk"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={
+        "sync_topk": 1, "moment_sync_values": "int8"}),
+     "lowcomm.desloc.moment_sync_values", "set lowcomm.desloc.moment_sync_topk"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={
+        "moment_sync_topk": 4, "sync_chunk": 128, "moment_sync_values": "int2"}),
+     "lowcomm.desloc.sync_chunk", "or moment_sync_values to 'int8' or 'bf16'"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={
         "moment_sync_topk": 2, "momentum_sync_every": 0, "variance_sync_every": 0}),
      "lowcomm.desloc.moment_sync_topk", "set one of them, or leave moment_sync_topk out"),

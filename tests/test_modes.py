@@ -547,7 +547,7 @@ def test_desloc_compressed_moment_syncs_follow_the_equations(values, topk):
     int2's top 8 picks a zero of the padding in the last chunk (7 parameters): sent as ±lo, it must
     not land in the shard's padding, or later syncs would pick it again."""
     sync = dict(param_sync_every=2, momentum_sync_every=2, variance_sync_every=3, moment_sync_topk=topk,
-                sync_chunk=16, sync_values=values)
+                sync_chunk=16, moment_sync_values=values)
     results = run_ranks(_train, 2, {"mode": "desloc", "shard_group_size": 1, "desloc": sync}, 0.0, "params")
     floored = []
     ref = _desloc_compressed_moments_reference(2, 2, 3, topk, 16, values, floored)

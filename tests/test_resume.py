@@ -63,7 +63,7 @@ CASES = {
     # chunk of 60 holding 8 elements: the shard's padding must not be picked (sent as ±lo)
     "desloc-compressed-moments": (_config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 2, "momentum_sync_every": 2, "variance_sync_every": 3, "moment_sync_topk": 10,
-        "sync_chunk": 60, "sync_values": "int2"}), 18, 10),
+        "sync_chunk": 60, "moment_sync_values": "int2"}), 18, 10),
     # with Muon: the second moment's sync packs the AdamW ranges
     "desloc-muon-compressed-moments": (_config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 2, "momentum_sync_every": 2, "variance_sync_every": 3, "moment_sync_topk": 2,

@@ -23,7 +23,8 @@ S·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard
 and the error buffer: 8/S bytes per parameter).
 ``moment_sync_topk`` > 0 compresses the moment syncs (:class:`MomentSync`), each moment s on its
 own period: replica r sends the top-k of each chunk of its change since the last sync,
-d_r = s_r − a (a, the anchor: what the replicas agreed on then), rounded (d̂_r); then
+d_r = s_r − a (a, the anchor: what the replicas agreed on then), rounded to
+``moment_sync_values`` (d̂_r); then
 s_r ← s_r + mean(d̂) − d̂_r and a ← a + mean(d̂). Sent whole, that is the dense average; what a
 replica did not send stays in its own moment, and its next sync carries it (no error buffer; a
 moment is never reset to a value it did not reach). v keeps s_r ≥ s_r,old / R, the least a dense
@@ -107,9 +108,10 @@ class DeslocOptions:
                                    "replica's moment for the next sync); 0 = dense averages", minimum=0)
     sync_chunk: int = option(64, "elements per chunk of a compressed sync (indices travel in "
                              "1 byte up to 256, else 2)", minimum=1)
-    sync_values: str = option("bf16", "values of a compressed sync: 'bf16' (2 bytes), 'int8' "
+    sync_values: str = option("bf16", "values of a compressed parameter sync: 'bf16' (2 bytes), 'int8' "
                               "(1 byte, one fp32 scale per chunk) or 'int2' (sign and one of two "
                               "magnitudes, in the index's byte; sync_chunk <= 64)", choices=VALUES)
+    moment_sync_values: str = option("bf16", "values of a compressed moment sync, as sync_values", choices=VALUES)
     param_sync_delay: int = option(0, "streamed parameter syncs: local steps a sync's all-reduce runs behind "
                                    "(on the comm worker) before its average replaces the master, the local "
                                    "progress since kept; 0 = synchronous, at most param_sync_every - 1",
@@ -354,7 +356,7 @@ class MomentSync:
         count = sum(b - a for a, b in ranges)
         # No codec where the shard carries none of this moment (padding, or Muon's matrices alone):
         # the replicas of a shard share its layout, so they agree on skipping the all-gather.
-        self.codec = (ChunkTopK(count, options.sync_chunk, options.moment_sync_topk, options.sync_values)
+        self.codec = (ChunkTopK(count, options.sync_chunk, options.moment_sync_topk, options.moment_sync_values)
                       if count else None)
         self.payload = torch.zeros(self.codec.payload_bytes if count else 0, dtype=torch.uint8, device=state.device)
         self.anchor = state.clone()
@@ -525,22 +527,28 @@ class Desloc(Mode):
                                          f"synchronous, and param_sync_delay {o.param_sync_delay} streams the "
                                          f"moments with the parameters; set param_sync_delay to 0, or "
                                          f"moment_sync_topk to 0")
-        if o.sync_topk == 0 and o.moment_sync_topk == 0:
-            for key in ("sync_chunk", "sync_values"):
-                if key in section:
-                    raise LowCommConfigError(f"lowcomm.desloc.{key}: applies to compressed syncs; set "
-                                             f"lowcomm.desloc.sync_topk or moment_sync_topk (e.g. 1), or leave "
-                                             f"{key} out")
+        compressed = [(topk, values) for topk, values in (("sync_topk", "sync_values"),
+                                                          ("moment_sync_topk", "moment_sync_values"))
+                      if getattr(o, topk)]
+        for topk, values in (("sync_topk", "sync_values"), ("moment_sync_topk", "moment_sync_values")):
+            if values in section and not getattr(o, topk):
+                raise LowCommConfigError(f"lowcomm.desloc.{values}: applies to the syncs {topk} compresses; set "
+                                         f"lowcomm.desloc.{topk} (e.g. 1), or leave {values} out")
+        if not compressed:
+            if "sync_chunk" in section:
+                raise LowCommConfigError("lowcomm.desloc.sync_chunk: applies to compressed syncs; set "
+                                         "lowcomm.desloc.sync_topk or moment_sync_topk (e.g. 1), or leave "
+                                         "sync_chunk out")
             return
         if o.sync_chunk > MAX_CHUNK:
             raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk}; at most {MAX_CHUNK}")
-        if o.sync_values == "int2" and o.sync_chunk > INT2_MAX_CHUNK:
-            raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk} with sync_values 'int2', "
-                                     f"which packs a 6-bit index into each value's byte; set sync_chunk to at "
-                                     f"most {INT2_MAX_CHUNK}, or sync_values to 'int8' or 'bf16'")
-        for key in ("sync_topk", "moment_sync_topk"):
-            if getattr(o, key) > o.sync_chunk:
-                raise LowCommConfigError(f"lowcomm.desloc.{key}: got {getattr(o, key)}; at most sync_chunk "
+        for topk, values in compressed:
+            if getattr(o, values) == "int2" and o.sync_chunk > INT2_MAX_CHUNK:
+                raise LowCommConfigError(f"lowcomm.desloc.sync_chunk: got {o.sync_chunk} with {values} 'int2', "
+                                         f"which packs a 6-bit index into each value's byte; set sync_chunk to "
+                                         f"at most {INT2_MAX_CHUNK}, or {values} to 'int8' or 'bf16'")
+            if getattr(o, topk) > o.sync_chunk:
+                raise LowCommConfigError(f"lowcomm.desloc.{topk}: got {getattr(o, topk)}; at most sync_chunk "
                                          f"({o.sync_chunk}): it counts the entries sent per chunk")
 
     def __init__(self, ctx: ModeContext, options: DeslocOptions) -> None:
