@@ -492,31 +492,43 @@ def test_desloc_compressed_syncs_follow_the_equations(variant):
     assert ops["replica.all_gather"]["calls"] == 3 and ops["replica.all_gather"]["bytes_sent"] == 3 * payload
 
 
-def _desloc_compressed_moments_reference(kx, ku, kv, topk, chunk, values, floored):
-    """Two replicas, each AdamW on its own data, the parameters averaged every Kx steps; each
-    moment s every K_s steps a compressed sync of its change since the last one: over the flat
-    moment (103 elements), d_r = s_r − a, a the moment both replicas agreed on at the last sync
-    plus the means since (zero at the start); d̂_r = each chunk's ``topk`` largest |d_r|, rounded
-    (``_sent``; the last chunk padded with zeros, which may be picked and are then dropped);
-    s_r ← s_r + mean(d̂) − d̂_r, kept at least s_r / 2 for the second moment (a dense
-    average never leaves less), and a ← a + mean(d̂). ``floored`` collects, per second-moment
-    sync, how many elements the floor raised."""
+def _desloc_compressed_moments_reference(kx, ku, kv, topk, chunk, values, floored, shards=((0, 103),),
+                                         ranks_per_replica=1):
+    """Two replicas, each AdamW on its own ranks' data (``ranks_per_replica`` consecutive ranks:
+    the mean of their gradients), the parameters averaged every Kx steps; each moment s every K_s
+    steps a compressed sync of its change since the last one: over the flat moment (103
+    elements), d_r = s_r − a, a the moment both replicas agreed on at the last sync plus the means
+    since (zero at the start); d̂_r = each chunk's ``topk`` largest |d_r|, rounded (``_sent``),
+    the chunks counted within each of ``shards`` (a rank's part of the flat moment, the last chunk
+    padded with zeros, which may be picked and are then dropped); s_r ← s_r + mean(d̂) − d̂_r,
+    kept at least s_r / 2 for the second moment (a dense average never leaves less), and
+    a ← a + mean(d̂). ``floored`` collects, per second-moment sync, how many elements the floor
+    raised."""
     models = [_model(), _model()]
     opts = [torch.optim.AdamW(m.parameters(), **HP) for m in models]
     pairs = list(zip(models[0].parameters(), models[1].parameters()))
     anchors = {"exp_avg": torch.zeros(103), "exp_avg_sq": torch.zeros(103)}
-    pad = lambda v: torch.cat([v, v.new_zeros(112 - v.numel())])  # noqa: E731
+
+    def sent_of(d):
+        pieces = []
+        for a, b in shards:
+            padded = torch.cat([d[a:b], d.new_zeros(-(b - a) % chunk)])
+            pieces.append(_sent(padded, chunk, topk, values)[0].view(-1)[:b - a])
+        return torch.cat(pieces)
+
     out = []
     for t in range(1, STEPS + 1):
         for r, (model, opt) in enumerate(zip(models, opts)):
-            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
-                p.grad = g
+            ranks = range(r * ranks_per_replica, (r + 1) * ranks_per_replica)
+            per_rank = [_grad(model, rank, t - 1) for rank in ranks]
+            for p, *gs in zip(model.parameters(), *per_rank):
+                p.grad = sum(gs) / ranks_per_replica
             opt.step()
         for key, every in (("exp_avg", ku), ("exp_avg_sq", kv)):
             if t % every:
                 continue
             moments = [torch.cat([opts[r].state[p[r]][key].reshape(-1) for p in pairs]) for r in range(2)]
-            sent = [_sent(pad(s - anchors[key]), chunk, topk, values)[0].view(-1)[:103] for s in moments]
+            sent = [sent_of(s - anchors[key]) for s in moments]
             mean = (sent[0] + sent[1]) / 2
             for r in range(2):
                 s = moments[r] + (mean - sent[r])
@@ -564,6 +576,29 @@ def test_desloc_compressed_moment_syncs_follow_the_equations(values, topk):
     ops = results[0]["bytes"]
     assert ops["replica.all_reduce"]["calls"] == 3 and ops["replica.all_reduce"]["bytes_sent"] == 3 * 112 * 4
     assert ops["replica.all_gather"]["calls"] == 5 and ops["replica.all_gather"]["bytes_sent"] == 5 * payload
+
+
+def test_desloc_compressed_moment_syncs_with_two_ranks_per_replica():
+    """Compressed moment syncs where each replica is a shard group of 2 ranks (4 ranks,
+    shard_group_size 2): each rank syncs its own shard's part of each moment over its replica
+    group, its chunks counted from the shard's start (elements 0–63 on one rank, 64–102 on the
+    other, its last chunk 7 elements and padding), as the two-replica equations on the mean
+    gradient of each replica's ranks. int2: each shard's chunks have their own two levels (one
+    group of 4 chunks, one of 3, not one of 7), and the top 8 of the last chunk picks padding."""
+    sync = dict(param_sync_every=2, momentum_sync_every=2, variance_sync_every=3, moment_sync_topk=8,
+                sync_chunk=16, moment_sync_values="int2")
+    results = run_ranks(_train, 4, {"mode": "desloc", "shard_group_size": 2, "desloc": sync}, 0.0, "params")
+    ref = _desloc_compressed_moments_reference(2, 2, 3, 8, 16, "int2", [], shards=((0, 64), (64, 103)),
+                                               ranks_per_replica=2)
+    for t in range(STEPS):
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res["after"][t], ref[t][rank // 2], rtol=1e-6, atol=1e-7)
+    # the moments' all-gathers (the first moment at 2, 4, 6, the second at 3, 6): 4 chunks × 8 ×
+    # 1 byte (index and int2 value) + 8 bytes of (lo, hi) on the first shard, 3 chunks on the
+    # second; (R−1)/R of the 2 payloads sent
+    for rank, payload in ((0, 40), (1, 32)):
+        ops = results[rank]["bytes"]["replica.all_gather"]
+        assert ops["calls"] == 5 and ops["bytes_sent"] == 5 * payload, (rank, ops)
 
 
 def _moment_sync_over_ranges(rank, world, ranges):
