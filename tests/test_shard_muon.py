@@ -107,3 +107,41 @@ def test_whole_matrices_are_orthogonalised_in_batches_of_one_shape(monkeypatch):
     monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", bound)
     halves = shapes(2, 0) + shapes(2, 1)
     assert sum(len(b) for b in halves) == 8 - 1
+
+
+def test_compressed_moment_syncs_carry_the_ranges_muon_fills():
+    """desloc's compressed moment syncs under Muon, on the last of 3 shards (a matrix cut at its
+    start, padding at its end): the first moment's over every parameter element of the shard
+    (Muon's momentum on the matrices, Adam's elsewhere), the second moment's over the elements
+    left to AdamW only (the matrices' stays zero); the padding in neither. The ranges are named
+    here from the model, not taken from the library."""
+    import torch
+
+    from ds_lowcomm.modes.desloc import DeslocOptions, ReplicaSyncs
+    from ds_lowcomm.shard.flat import FlatParams
+    from ds_lowcomm.shard.muon import ShardMuon, muon_matrices
+
+    model = workers.tiny_gpt2(0)
+    named = list(model.named_parameters())
+    flat = FlatParams([{"params": [p for _, p in named]}], world=3, rank=2)
+    muon = ShardMuon(flat.layout, flat.buffer, muon_matrices(flat, list(model.modules())), None)
+    options = DeslocOptions(param_sync_every=2, momentum_sync_every=2, variance_sync_every=4, moment_sync_topk=2,
+                            sync_chunk=8)
+    syncs = ReplicaSyncs(options, muon).moment_syncs
+    lo, size = flat.layout.shard_start, flat.layout.shard_size
+    hidden = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+    real = sum(p.numel() for _, p in named) - lo  # this shard's parameter elements
+    assert 0 < real < size  # there is padding
+    reference = {"exp_avg": torch.zeros(size, dtype=torch.bool), "exp_avg_sq": torch.zeros(size, dtype=torch.bool)}
+    reference["exp_avg"][:real] = True
+    for name, p in named:
+        a, b = flat.offsets[id(p)] - lo, flat.offsets[id(p)] + p.numel() - lo
+        if not name.endswith(hidden) and b > 0:
+            reference["exp_avg_sq"][max(a, 0):b] = True
+    for key, want in reference.items():
+        covered = torch.zeros(size, dtype=torch.bool)
+        for a, b in syncs[key].ranges:
+            assert not covered[a:b].any(), key  # no element twice
+            covered[a:b] = True
+        assert torch.equal(covered, want), key
+        assert syncs[key].codec.numel == int(want.sum()), key
