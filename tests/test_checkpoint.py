@@ -386,6 +386,10 @@ def test_per_rank_state_reshards(tmp_path, mode):
     numel = run_ranks(_save_per_rank, 2, str(tmp_path), mode)[0]
     tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
     saved = [torch.load(tag / f"lowcomm_rank{r:05d}.pt", weights_only=True) for r in range(2)]
+    if mode == "desloc-compressed-moments":
+        for key in ("exp_avg", "exp_avg_sq"):  # the replicas agreed on the anchors, not on the moments
+            a, b = (s["shards"][f"anchor_{key}"][:numel] for s in saved)
+            assert torch.equal(a, b) and a.abs().sum() > 0, key
     for world in (4, 1):
         loaded = run_ranks(_load_per_rank, world, str(tmp_path), mode)
         for r, got in enumerate(loaded):
@@ -462,6 +466,44 @@ def test_a_run_without_streaming_applies_the_saved_sync_at_the_load(tmp_path):
         for key, value in want.items():
             torch.testing.assert_close(got[key][:numel], value[:numel], rtol=1e-6, atol=1e-9)
         assert not torch.equal(got["exp_avg"], shards["exp_avg"])
+
+
+def _load_with_compressed_moments(rank, world, save_dir, weights_only):
+    """PER_RANK's desloc checkpoint (dense moment syncs, no anchors) loaded with compressed moment
+    syncs (m at 2, v at 3); weights only, after 3 steps of training (syncs at 2 and 3: anchors
+    away from zero)."""
+    cfg = copy.deepcopy(PER_RANK["desloc"][0])
+    cfg["lowcomm"]["desloc"].update(momentum_sync_every=2, variance_sync_every=3, moment_sync_topk=2)
+    engine = workers.build_engine(cfg, seed=5)
+    syncs, a = engine.optimizer.mode.syncs, engine.optimizer.mode.adamw
+    before = {}
+    if weights_only:
+        workers.train(engine, 3, start=0, rank=rank)
+        before = {k: m.anchor.clone() for k, m in syncs.moment_syncs.items()}
+    engine.load_checkpoint(save_dir, load_optimizer_states=not weights_only)
+    return {"before": before, "anchors": {k: m.anchor.clone() for k, m in syncs.moment_syncs.items()},
+            **{k: getattr(a, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
+
+
+def test_compressed_moment_syncs_resume_from_dense_ones(tmp_path):
+    """A checkpoint of dense moment syncs (no anchors) resumed at the same layout with
+    moment_sync_topk: each replica keeps its own moments, and both anchors are the replicas'
+    mean moments (what a dense sync would have agreed on), read here from the saved files.
+    Weights only, into a run that has synced compressed: the moments restart at zero, and their
+    anchors with them."""
+    numel = run_ranks(_save_per_rank, 2, str(tmp_path), "desloc")[0]
+    tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
+    saved = [torch.load(tag / f"lowcomm_rank{r:05d}.pt", weights_only=True)["shards"] for r in range(2)]
+    for r, got in enumerate(run_ranks(_load_with_compressed_moments, 2, str(tmp_path), False)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = (s[key][:numel] for s in saved)
+            assert not torch.equal(a, b), key
+            assert torch.equal(got[key][:numel], saved[r][key][:numel]), key
+            assert torch.equal(got["anchors"][key][:numel], (a + b) / 2), key
+    for got in run_ranks(_load_with_compressed_moments, 2, str(tmp_path), True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got["before"][key].abs().sum() > 0, key
+            assert got[key].abs().sum() == 0 and got["anchors"][key].abs().sum() == 0, key
 
 
 def test_a_weights_only_load_applies_the_streamed_sync_in_flight(tmp_path):

@@ -60,7 +60,7 @@ CASES = {
         "param_sync_every": 2, "sync_topk": 10, "sync_chunk": 60, "sync_values": "int2"}), 18, 10),
     # compressed moment syncs (m at 2, 4, v at 3), mid-period for both at step 5: each replica's
     # moments hold what it has not sent, the anchors what the replicas agreed on; int2, the last
-    # chunk of 60 holding 8 elements: the shard's padding must not be picked (sent as ±lo)
+    # chunk of 60 holding 8 elements (its padding picked for the top 10 and sent, never kept)
     "desloc-compressed-moments": (_config("desloc", shard_group_size=1, desloc={
         "param_sync_every": 2, "momentum_sync_every": 2, "variance_sync_every": 3, "moment_sync_topk": 10,
         "sync_chunk": 60, "moment_sync_values": "int2"}), 18, 10),
