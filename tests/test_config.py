@@ -98,6 +98,11 @@ BAD = [
      "lowcomm.desloc.sync_chunk", "at most 64"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"sync_topk": 4, "sync_values": "int4"}),
      "lowcomm.desloc.sync_values", "int2"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={
+        "moment_sync_topk": 4, "sync_values": "int2"}),
+     "lowcomm.desloc.sync_values", "the compressed moment syncs' values are moment_sync_values"),
+    (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"sync_chunk": 32}),
+     "lowcomm.desloc.sync_chunk", "set lowcomm.desloc.sync_topk or moment_sync_topk"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"moment_sync_topk": 65}),
      "lowcomm.desloc.moment_sync_topk", "at most sync_chunk (64)"),
     (lambda c: c["lowcomm"].update(mode="desloc", shard_group_size=1, desloc={"moment_sync_values": "int8"}),

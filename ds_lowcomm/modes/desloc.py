@@ -527,13 +527,15 @@ class Desloc(Mode):
                                          f"synchronous, and param_sync_delay {o.param_sync_delay} streams the "
                                          f"moments with the parameters; set param_sync_delay to 0, or "
                                          f"moment_sync_topk to 0")
-        compressed = [(topk, values) for topk, values in (("sync_topk", "sync_values"),
-                                                          ("moment_sync_topk", "moment_sync_values"))
-                      if getattr(o, topk)]
-        for topk, values in (("sync_topk", "sync_values"), ("moment_sync_topk", "moment_sync_values")):
+        pairs = (("sync_topk", "sync_values"), ("moment_sync_topk", "moment_sync_values"))
+        compressed = [(topk, values) for topk, values in pairs if getattr(o, topk)]
+        for topk, values in pairs:
             if values in section and not getattr(o, topk):
+                # sync_values is the parameter syncs' own: the moments' values are moment_sync_values
+                moments = (" (the compressed moment syncs' values are moment_sync_values)"
+                           if values == "sync_values" and o.moment_sync_topk else "")
                 raise LowCommConfigError(f"lowcomm.desloc.{values}: applies to the syncs {topk} compresses; set "
-                                         f"lowcomm.desloc.{topk} (e.g. 1), or leave {values} out")
+                                         f"lowcomm.desloc.{topk} (e.g. 1), or leave {values} out{moments}")
         if not compressed:
             if "sync_chunk" in section:
                 raise LowCommConfigError("lowcomm.desloc.sync_chunk: applies to compressed syncs; set "
