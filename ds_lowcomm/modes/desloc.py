@@ -11,15 +11,16 @@ step travel one all-reduce per state, in place, after the local update and befor
 inside the shard group. Local Adam is the special case Kx = Ku = Kv; Kx = Ku = Kv = 1 is *not* DDP (averaging Adam
 updates is not Adam on the averaged gradient).
 
-Bytes per rank per step across replica groups, R replicas, S shard elements in fp32:
-2(R−1)/R · 4·S · (1/Kx + 1/Ku + 1/Kv) — with R = 2, one shard per period.
+Bytes per rank per step across replica groups, R replicas, N shard elements in fp32:
+2(R−1)/R · 4·N · (1/Kx + 1/Ku + 1/Kv) — with R = 2, one shard per period. (Memory costs below are
+per parameter, S the shard group size: a buffer of the shard's size is 4/S bytes per parameter.)
 
 ``sync_topk`` > 0 compresses the parameter syncs (SparseLoCo-style, :mod:`ds_lowcomm.modes.sparse`):
 each replica sends the ``sync_topk`` largest entries of each ``sync_chunk``-element chunk of its
 pseudo-gradient (anchor − master, plus what earlier syncs did not send: error feedback), in bf16,
 int8 or int2, in one all-gather; every replica applies the same mean and keeps the rest in its error
 buffer. The parameter term above becomes (R−1) · P / Kx, P the payload (``ChunkTopK``), about
-S·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard element (the anchor
+N·k/C·3 bytes in bf16 with C ≤ 256. It costs two more fp32 buffers per shard element (the anchor
 and the error buffer: 8/S bytes per parameter).
 ``moment_sync_topk`` > 0 compresses the moment syncs (:class:`MomentSync`), each moment s on its
 own period: replica r sends the top-k of each chunk of its change since the last sync,
@@ -156,8 +157,10 @@ class ParamAverage(Round):
 
 class ReplicaSyncs:
     """DES-LOC's averages across replica groups: the periods, the rounds run (equal on every
-    replica, whatever their verdicts: it paces the syncs) and, with the outer Nesterov optimizer,
-    its anchor (the parameters at the last sync) and momentum, shards like the master's."""
+    replica, whatever their verdicts: it paces the syncs), with the outer Nesterov optimizer or
+    compressed parameter syncs the anchor (the parameters at the last sync; the outer momentum,
+    the error buffer), shards like the master's, and the compressed moment syncs
+    (:class:`MomentSync`, one per moment)."""
 
     def __init__(self, options: DeslocOptions, adamw: ShardAdamW, worker: Optional[CommWorker] = None) -> None:
         """The anchor (the parameters at the last sync) exists with the outer optimizer or
@@ -375,31 +378,25 @@ class MomentSync:
         if codec is None:
             return
         view = codec.views(self.payload)
-        for r0, r1, d in self._blocks():  # d_r, packed, a block of chunks at a time
+        for r0, r1 in codec.row_blocks():  # d_r, packed, a block of chunks at a time
+            d = temporary((r1 - r0) * codec.chunk, torch.float32, self.anchor.device)
             d.zero_()  # (the padding of the last chunk stays zero: never picked over a real element)
             for at, lo, hi in packed_pieces(self.ranges, r0 * codec.chunk, r1 * codec.chunk):
                 torch.sub(state[lo:hi], self.anchor[lo:hi], out=d[at - r0 * codec.chunk:][:hi - lo])
             codec.encode_rows(d.view(r1 - r0, codec.chunk), view, r0, r1)
-        payloads = gather_payloads(codec, replica, self.payload)
-        for r0, r1, mean in self._blocks():
-            own = temporary(mean.numel(), torch.float32, mean.device)
-            codec.mean_into(payloads, r0, r1, mean.view(r1 - r0, codec.chunk))
-            codec.mean_into([self.payload], r0, r1, own.view(r1 - r0, codec.chunk))
-            own.neg_().add_(mean)  # mean(d̂) − d̂_r
-            for at, lo, hi in packed_pieces(self.ranges, r0 * codec.chunk, r1 * codec.chunk):
-                i = at - r0 * codec.chunk
+        for mean, a, b in gathered_means(codec, replica, self.payload):
+            r0, r1 = a // codec.chunk, -(-b // codec.chunk)
+            own = temporary((r1 - r0) * codec.chunk, torch.float32, mean.device)
+            codec.mean_into([self.payload], r0, r1, own.view(r1 - r0, codec.chunk))  # d̂_r
+            own = own[: b - a].neg_().add_(mean)  # mean(d̂) − d̂_r
+            for at, lo, hi in packed_pieces(self.ranges, a, b):
+                i = at - a
                 s = state[lo:hi]
                 if self.nonnegative:
                     torch.maximum(s + own[i:i + hi - lo], s / replica.world, out=s)
                 else:
                     s.add_(own[i:i + hi - lo])
                 self.anchor[lo:hi].add_(mean[i:i + hi - lo])
-
-    def _blocks(self):
-        """``(r0, r1, scratch)``: the codec's blocks of chunk rows, each with an fp32 temporary of
-        its elements (uninitialised)."""
-        for r0, r1 in self.codec.row_blocks():
-            yield r0, r1, temporary((r1 - r0) * self.codec.chunk, torch.float32, self.anchor.device)
 
 
 def packed_pieces(ranges, a: int, b: int):
@@ -414,20 +411,14 @@ def packed_pieces(ranges, a: int, b: int):
         at += hi - lo
 
 
-def gather_payloads(codec: ChunkTopK, replica, payload: torch.Tensor) -> List[torch.Tensor]:
-    """Every replica's ``payload`` (``codec.payload_bytes``), in replica order, from one
-    all-gather over ``replica``: (R−1)/R of the R payloads sent per rank."""
-    gathered = payload.new_empty(replica.world * codec.payload_bytes)
-    replica.all_gather(gathered, payload)
-    return list(gathered.chunk(replica.world))
-
-
 def gathered_means(codec: ChunkTopK, replica, payload: torch.Tensor):
     """Every replica's ``payload`` in one all-gather (``codec.payload_bytes`` each; (R−1)/R of the
     R payloads sent per rank); yields the mean of what they sent a block of chunks at a time, as
     ``(mean, a, b)``: elements ``[a, b)`` of the encoded vector (``mean``, b − a of them, is a
     temporary: use it before taking the next). The same bits on every replica."""
-    payloads = gather_payloads(codec, replica, payload)
+    gathered = payload.new_empty(replica.world * codec.payload_bytes)
+    replica.all_gather(gathered, payload)
+    payloads = list(gathered.chunk(replica.world))
     for r0, r1 in codec.row_blocks():
         a, b = r0 * codec.chunk, min(codec.numel, r1 * codec.chunk)
         mean = temporary((r1 - r0) * codec.chunk, torch.float32, payload.device).view(r1 - r0, codec.chunk)
@@ -447,16 +438,12 @@ def average_ranges(replica, state: torch.Tensor, ranges) -> None:
     if total == 0:
         return
     packed = temporary(total, state.dtype, state.device)
-    at = 0
-    for a, b in ranges:
-        packed[at:at + b - a].copy_(state[a:b])
-        at += b - a
+    for at, lo, hi in packed_pieces(ranges, 0, total):
+        packed[at:at + hi - lo].copy_(state[lo:hi])
     replica.all_reduce(packed)
     packed.mul_(1.0 / replica.world)
-    at = 0
-    for a, b in ranges:
-        state[a:b].copy_(packed[at:at + b - a])
-        at += b - a
+    for at, lo, hi in packed_pieces(ranges, 0, total):
+        state[lo:hi].copy_(packed[at:at + hi - lo])
 
 
 def saved_sync_result(keys) -> str:

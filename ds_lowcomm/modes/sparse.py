@@ -1,4 +1,6 @@
-"""Chunked top-k with error feedback: desloc's compressed parameter syncs.
+"""Chunked top-k with error feedback: desloc's compressed parameter syncs, and the wire format
+its compressed moment syncs share (``ChunkTopK``: there the moment's own change since the last
+sync plays e_r's part, see ``desloc.MomentSync``).
 
 SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706) on DES-LOC's parameter average. At a
 parameter sync each replica r has made local progress ``anchor − master_r`` since the last sync
@@ -51,8 +53,9 @@ VALUES = ("bf16", "int8", "int2")
 
 class ChunkTopK:
     """The wire format of one replica's compressed sync of ``numel`` elements: chunks of ``chunk``
-    elements (the last one padded with zeros in the error buffer), ``topk`` values per chunk in
-    ``values`` ("bf16", "int8" or "int2")."""
+    elements (the last one padded with zeros: in the error buffer of a parameter sync, in the
+    scratch a moment sync packs into), ``topk`` values per chunk in ``values`` ("bf16", "int8" or
+    "int2")."""
 
     def __init__(self, numel: int, chunk: int, topk: int, values: str) -> None:
         if not 1 <= topk <= chunk <= MAX_CHUNK:
