@@ -581,33 +581,38 @@ def test_desloc_compressed_moment_syncs_follow_the_equations(values, topk):
 def test_desloc_compressed_moment_syncs_with_two_ranks_per_replica():
     """Compressed moment syncs where each replica is a shard group of 2 ranks (4 ranks,
     shard_group_size 2): each rank syncs its own shard's part of each moment over its replica
-    group, its chunks counted from the shard's start (elements 0–63 on one rank, 64–102 on the
-    other, its last chunk 7 elements and padding), as the two-replica equations on the mean
-    gradient of each replica's ranks. int2: each shard's chunks have their own two levels (one
-    group of 4 chunks, one of 3, not one of 7), and the top 8 of the last chunk picks padding."""
+    group, its chunks of 24 counted from the shard's start (elements 0–63 on one rank: chunks
+    0–23, 24–47, 48–63; 64–102 on the other: 64–87, 88–102, not the flat vector's 72–95), as the
+    two-replica equations on the mean gradient of each replica's ranks. int2: each shard's chunks
+    have their own two levels (a group of 3 chunks and one of 2), and the top 8 of each shard's
+    last chunk (16 and 15 elements) picks padding only where fewer than 8 are non-zero."""
     sync = dict(param_sync_every=2, momentum_sync_every=2, variance_sync_every=3, moment_sync_topk=8,
-                sync_chunk=16, moment_sync_values="int2")
+                sync_chunk=24, moment_sync_values="int2")
     results = run_ranks(_train, 4, {"mode": "desloc", "shard_group_size": 2, "desloc": sync}, 0.0, "params")
-    ref = _desloc_compressed_moments_reference(2, 2, 3, 8, 16, "int2", [], shards=((0, 64), (64, 103)),
+    ref = _desloc_compressed_moments_reference(2, 2, 3, 8, 24, "int2", [], shards=((0, 64), (64, 103)),
                                                ranks_per_replica=2)
     for t in range(STEPS):
         for rank, res in enumerate(results):
             torch.testing.assert_close(res["after"][t], ref[t][rank // 2], rtol=1e-6, atol=1e-7)
-    # the moments' all-gathers (the first moment at 2, 4, 6, the second at 3, 6): 4 chunks × 8 ×
-    # 1 byte (index and int2 value) + 8 bytes of (lo, hi) on the first shard, 3 chunks on the
+    # the moments' all-gathers (the first moment at 2, 4, 6, the second at 3, 6): 3 chunks × 8 ×
+    # 1 byte (index and int2 value) + 8 bytes of (lo, hi) on the first shard, 2 chunks on the
     # second; (R−1)/R of the 2 payloads sent
-    for rank, payload in ((0, 40), (1, 32)):
+    for rank, payload in ((0, 32), (1, 24)):
         ops = results[rank]["bytes"]["replica.all_gather"]
         assert ops["calls"] == 5 and ops["bytes_sent"] == 5 * payload, (rank, ops)
 
 
-def _moment_sync_over_ranges(rank, world, ranges):
+def _moment_sync_over_ranges(rank, world, ranges, block_bytes):
     """Two syncs of a 40-element 'second moment' over ``ranges`` on a real replica group: anchor
-    at zero, each rank's own moment, then a second sync after a local change."""
+    at zero, each rank's own moment, then a second sync after a local change. ``block_bytes``:
+    the codec's work a block of that many fp32 bytes at a time (None: the library's)."""
     from ds_lowcomm.comm.collectives import CommStats
     from ds_lowcomm.comm.topology import Topology
+    from ds_lowcomm.modes import sparse
     from ds_lowcomm.modes.desloc import DeslocOptions, MomentSync
 
+    if block_bytes is not None:
+        sparse.CHUNK_BYTES = block_bytes
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     stats = CommStats()
     topo = Topology.build(1, 60.0, stats)
@@ -625,13 +630,15 @@ def _moment_sync_over_ranges(rank, world, ranges):
     return out, stats.as_dict()["ops"]["replica.all_gather"]
 
 
-def test_a_moment_sync_packs_the_ranges_it_carries():
+@pytest.mark.parametrize("block_bytes", [None, 32], ids=["one-block", "a-block-per-chunk"])
+def test_a_moment_sync_packs_the_ranges_it_carries(block_bytes):
     """Muon's second moment lives on the AdamW ranges of the shard only: a compressed sync packs
     those ranges (17 elements here: 3 chunks of 8), sends the top 2 of each packed chunk, leaves the
     rest of the shard alone, and keeps v ≥ v_old / 2; checked against the equations on the
-    packed vector."""
+    packed vector. In blocks of one chunk, the second range starts inside the first block and
+    runs into the third."""
     ranges = [(3, 10), (25, 35)]
-    results = run_ranks(_moment_sync_over_ranges, 2, ranges)
+    results = run_ranks(_moment_sync_over_ranges, 2, ranges, block_bytes)
     idx = torch.cat([torch.arange(a, b) for a, b in ranges])
     anchor = torch.zeros(40)
     for k in range(2):

@@ -132,6 +132,8 @@ def test_compressed_moment_syncs_carry_the_ranges_muon_fills():
     hidden = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
     real = sum(p.numel() for _, p in named) - lo  # this shard's parameter elements
     assert 0 < real < size  # there is padding
+    assert any(name.endswith(hidden) and flat.offsets[id(p)] < lo < flat.offsets[id(p)] + p.numel()
+               for name, p in named)  # a matrix cut at the shard's start
     reference = {"exp_avg": torch.zeros(size, dtype=torch.bool), "exp_avg_sq": torch.zeros(size, dtype=torch.bool)}
     reference["exp_avg"][:real] = True
     for name, p in named:

@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'--resume auto': resume if there is one, else start fresh (one command line for "
                          "the first start and every restart)")
     ap.add_argument("--log-json", default=None, metavar="FILE",
-                    help="rank 0 appends one JSON record per logged step, each on disk as it is written (for plots)")
+                    help="rank 0 appends one JSON record per logged step, each flushed as it is written (for plots)")
     ap.add_argument("--link-counter", action="store_true",
                     help="report bytes that crossed the loopback interface during training (meaningful "
                          "only in a private network namespace, as ds_lowcomm.bench runs it)")
@@ -317,7 +317,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     if slow != 1.0:
         print(f"rank {rank}: slowed down {slow:g}x (--slow-ranks)", flush=True)
     losses, train_time, micro_batches = [], 0.0, 0
-    # line-buffered: each record is on disk when written (follow a long run; a killed run keeps its log)
+    # line-buffered: each record is flushed when written (follow a long run; a killed run keeps its log)
     records = open(args.log_json, "a", buffering=1) if (args.log_json and rank == 0) else None
     link_start = read_link_bytes() if args.link_counter else None
     step = engine.global_steps

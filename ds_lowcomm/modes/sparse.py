@@ -1,6 +1,7 @@
 """Chunked top-k with error feedback: desloc's compressed parameter syncs, and the wire format
-its compressed moment syncs share (``ChunkTopK``: there the moment's own change since the last
-sync plays e_r's part, see ``desloc.MomentSync``).
+its compressed moment syncs share (``ChunkTopK``: there the moment's change since the last sync,
+s_r − anchor, is encoded in u_r's place, and what is not sent stays in the moment itself, in e_r's;
+see ``desloc.MomentSync``).
 
 SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706) on DES-LOC's parameter average. At a
 parameter sync each replica r has made local progress ``anchor − master_r`` since the last sync
