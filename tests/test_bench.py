@@ -145,6 +145,47 @@ def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_bench_base_is_nanogpts_shakespeare_char_model(tmp_path, capsys):
+    """``--model base`` is nanoGPT's shakespeare-char model, 6 layers × 384 wide, 6 heads, a context
+    of 256 and dropout 0.2, passed to each training script the bench launches (examples/train.py,
+    its DDP twin, the Trainer's example); the other models leave each script its own dropout;
+    ``--dropout`` overrides either; outside [0, 1) it ends the bench in one line, and the Trainer's
+    example refuses it for a pretrained ``--model``."""
+    from ds_lowcomm.bench import cli
+    from ds_lowcomm.bench.link import Link
+    from ds_lowcomm.bench.runs import train_command, trainer_command
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1] if name in cmd else None
+
+    for extra, want in (([], None), (["--model", "base"], "0.2"), (["--model", "base", "--dropout", "0"], "0.0"),
+                        (["--dropout", "0.1"], "0.1")):
+        args = cli.parse_args(["--modes", "zero1,ddp", "--out", str(tmp_path), *extra])
+        cmds = [train_command(args, mode, tmp_path / "c.json", 2, tmp_path / "l.jsonl", "", Link(None, None), 10)
+                for mode in ("zero1", "ddp")]
+        trainer = cli.parse_args(["--regime", "uneven-trainer", "--out", str(tmp_path), *extra])
+        cmds.append(trainer_command(trainer, None, tmp_path / "l.jsonl", 10, tmp_path / "o"))
+        for cmd in cmds:
+            assert flag(cmd, "--dropout") == want, (extra, cmd)
+            if "base" in extra:
+                assert [flag(cmd, f) for f in ("--n-layer", "--n-head", "--n-embd", "--block-size")] == \
+                    ["6", "6", "384", "256"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--dropout", "1", "--out", str(tmp_path)])
+    assert "--dropout: got 1; must be in [0, 1)" in capsys.readouterr().err
+    sys.path.insert(0, str(ROOT / "examples"))
+    import finetune_hf
+    import train
+
+    built = train.build_model(train.parse_args(["--deepspeed", "zero1", "--dropout", "0.2"]), 65).config
+    assert (built.resid_pdrop, built.embd_pdrop, built.attn_pdrop) == (0.2, 0.2, 0.2)
+    assert finetune_hf.parse_args(["--dropout", "0.2"]).dropout == 0.2
+    with pytest.raises(SystemExit):
+        finetune_hf.parse_args(["--dropout", "0.2", "--model", "gpt2"])
+    assert "--dropout applies to the default model" in capsys.readouterr().err
+
+
+@pytest.mark.unit
 def test_bench_keeps_finished_runs_when_one_fails(tmp_path, monkeypatch):
     """results.json after every run: a run that dies leaves the finished ones on disk, and the
     bench ends in one line naming the run (here the runs themselves are recorded, not trained)."""

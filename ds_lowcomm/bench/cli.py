@@ -35,6 +35,16 @@ def _budgets(text: str) -> List[int]:
     return sorted(set(values))
 
 
+def _dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number, e.g. 0.2") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"got {value:g}; must be in [0, 1)")
+    return value
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +60,9 @@ def parse_args(argv=None):
                                                       "or the regime's calibrated rate")
     ap.add_argument("--latency", default=None, help="e.g. 5ms added one-way delay")
     ap.add_argument("--model", choices=list(MODELS), default="small")
+    ap.add_argument("--dropout", type=_dropout, default=None,
+                    help="the model's dropout (default: 0.2 for base, nanoGPT's shakespeare-char; else the "
+                         "training script's own: 0 for examples/train.py, GPT-2's 0.1 for the Trainer's)")
     ap.add_argument("--steps", type=int, default=None,
                     help="the step budget (unless --budgets; default 60, --regime uneven-trainer "
                          f"{','.join(map(str, TRAINER_BUDGETS))})")
@@ -90,6 +103,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    if args.dropout is None:
+        args.dropout = MODELS[args.model][4]
     trainer = args.regime == "uneven-trainer"
     known = TRAINER_CONFIGS if trainer else CONFIGS
     if args.modes is None:
@@ -200,7 +215,8 @@ def main(argv=None) -> dict:
     if args.regime in SYNC_STEPS and not args.bandwidth:
         args.bandwidth = calibrate(args, out)
     link = (TwoNodeLink if args.regime == "two-node" else Link)(args.bandwidth, args.latency)
-    config = {k: getattr(args, k) for k in ("world_size", "bandwidth", "latency", "model", "budgets", "micro_batch",
+    config = {k: getattr(args, k) for k in ("world_size", "bandwidth", "latency", "model", "dropout", "budgets",
+                                           "micro_batch",
                                            "gas", "comm_dtype", "data", "tokenizer", "slow_rank", "acco_wait",
                                            "set", "repeat", "seed", "regime", "evals", "powersgd_rank")}
     config.update(modes=args.mode_list, bandwidth=link.bandwidth, latency=link.latency, steps=max(args.budgets),

@@ -98,10 +98,10 @@ REGIMES = ("fast", "moderate", "slow", "uneven", "two-node", "uneven-trainer")
 SYNC_STEPS = {"moderate": 1.0, "slow": 10.0, "two-node": 10.0}
 
 
-MODELS = {  # name: (n_layer, n_head, n_embd, block_size)
-    "tiny": (1, 2, 32, 32),
-    "small": (4, 4, 128, 128),
-    "base": (6, 6, 384, 256),
+MODELS = {  # name: (n_layer, n_head, n_embd, block_size, dropout; None: the training script's default)
+    "tiny": (1, 2, 32, 32, None),
+    "small": (4, 4, 128, 128, None),
+    "base": (6, 6, 384, 256, 0.2),  # nanoGPT's shakespeare-char model, its dropout included
 }
 
 
@@ -184,7 +184,7 @@ def write_config(entry: str, args, out: Path, steps: int) -> Optional[Path]:
 def train_command(args, mode: str, config: Path, nproc: int, log_json: Path, slow: str, link: "Link",
                   steps: int, launcher: Optional[List[str]] = None) -> List[str]:
     mode = split_mode(mode)[0]
-    n_layer, n_head, n_embd, block = MODELS[args.model]
+    n_layer, n_head, n_embd, block, _ = MODELS[args.model]
     launcher = launcher or ["--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     script = [str(TRAIN_DDP), "--powersgd-rank", str(args.powersgd_rank if mode == "ddp-powersgd" else 0)] \
         if mode.startswith("ddp") else [str(TRAIN)]
@@ -196,6 +196,8 @@ def train_command(args, mode: str, config: Path, nproc: int, log_json: Path, slo
            "--log-every", str(max(1, steps // 20)), "--seed", str(args.seed),
            "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
            "--block-size", str(block), "--tokenizer", args.tokenizer, "--log-json", str(log_json)]
+    if args.dropout is not None:
+        cmd += ["--dropout", str(args.dropout)]
     if link.ns and link.nodes == 1:  # the interface counters only mean something in our private namespace
         cmd.append("--link-counter")
     if args.data:
@@ -208,7 +210,7 @@ def train_command(args, mode: str, config: Path, nproc: int, log_json: Path, slo
 def trainer_command(args, config: Optional[Path], log_json: Path, steps: int, output_dir: Path) -> List[str]:
     """``examples/finetune_hf.py`` (the Hugging Face Trainer) for ``--regime uneven-trainer``:
     no ``--deepspeed`` (``config`` None) runs the Trainer's DDP."""
-    n_layer, n_head, n_embd, block = MODELS[args.model]
+    n_layer, n_head, n_embd, block, _ = MODELS[args.model]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world_size),
            "--master_port", str(free_port()), str(FINETUNE)]
     if config is not None:
@@ -218,6 +220,8 @@ def trainer_command(args, config: Optional[Path], log_json: Path, steps: int, ou
             "--seed", str(args.seed), "--micro-batch", str(args.micro_batch), "--gas", str(args.gas),
             "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
             "--block-size", str(block), "--log-json", str(log_json), "--output-dir", str(output_dir)]
+    if args.dropout is not None:
+        cmd += ["--dropout", str(args.dropout)]
     if args.data:
         cmd += ["--data", args.data]
     if args.slow_rank:

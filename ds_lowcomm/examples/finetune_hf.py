@@ -203,6 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n-layer", type=number(int, 1), default=4, help="default model: transformer blocks")
     ap.add_argument("--n-head", type=number(int, 1), default=4, help="default model: attention heads")
     ap.add_argument("--n-embd", type=number(int, 1), default=128, help="default model: width")
+    ap.add_argument("--dropout", type=number(float, 0.0), default=None,
+                    help="default model: dropout, below 1 (default GPT-2's 0.1)")
     ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
     ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|DIR",
@@ -221,6 +223,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.model and args.n_embd % args.n_head:
         ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if args.dropout is not None and not args.dropout < 1.0:
+        ap.error(f"--dropout: got {args.dropout:g}; must be in [0, 1)")
+    if args.dropout is not None and args.model:
+        ap.error(f"--dropout applies to the default model; --model {args.model} keeps its own (set it in its "
+                 f"config), or leave --dropout out")
     return args
 
 
@@ -253,7 +260,8 @@ def main() -> None:
         tok = ByteTokenizer()
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=tok.vocab_size, n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head,
+            n_head=args.n_head, **({} if args.dropout is None else
+                                   dict(resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout)),
             bos_token_id=tok.pad_token_id, eos_token_id=tok.pad_token_id))
         encode, eos = tok, tok.pad_token_id
     dataset = Blocks(read_records(args.data), encode, eos, args.block_size)
