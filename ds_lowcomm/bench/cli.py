@@ -16,6 +16,7 @@ from ds_lowcomm.bench.report import report, save_results
 from ds_lowcomm.bench.runs import (CONFIGS, LOWCOMM_OPTIONS, MODELS, REGIMES, SYNC_STEPS,
                                    TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
                                    config_name, parse_setting, run_one, split_mode, write_config)
+from ds_lowcomm.examples.common import dropout
 
 
 def _setting(text: str):
@@ -35,16 +36,6 @@ def _budgets(text: str) -> List[int]:
     return sorted(set(values))
 
 
-def _dropout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number, e.g. 0.2") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"got {value:g}; must be in [0, 1)")
-    return value
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +51,7 @@ def parse_args(argv=None):
                                                       "or the regime's calibrated rate")
     ap.add_argument("--latency", default=None, help="e.g. 5ms added one-way delay")
     ap.add_argument("--model", choices=list(MODELS), default="small")
-    ap.add_argument("--dropout", type=_dropout, default=None,
+    ap.add_argument("--dropout", type=dropout, default=None,
                     help="the model's dropout (default: 0.2 for base, nanoGPT's shakespeare-char; else the "
                          "training script's own: 0 for examples/train.py, GPT-2's 0.1 for the Trainer's)")
     ap.add_argument("--steps", type=int, default=None,

@@ -24,6 +24,17 @@ def parse_slow_ranks(text: str) -> dict:
     return out
 
 
+def dropout(text: str) -> float:
+    """argparse type: a dropout probability, at least 0 and below 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number, e.g. 0.2") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"got {value:g}; must be in [0, 1)")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type: a number strictly between 0 and 1."""
     try:

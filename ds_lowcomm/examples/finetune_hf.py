@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
+from common import dropout, fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -203,8 +203,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n-layer", type=number(int, 1), default=4, help="default model: transformer blocks")
     ap.add_argument("--n-head", type=number(int, 1), default=4, help="default model: attention heads")
     ap.add_argument("--n-embd", type=number(int, 1), default=128, help="default model: width")
-    ap.add_argument("--dropout", type=number(float, 0.0), default=None,
-                    help="default model: dropout, below 1 (default GPT-2's 0.1)")
+    ap.add_argument("--dropout", type=dropout, default=None, help="default model: dropout (default GPT-2's 0.1)")
     ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
     ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|DIR",
@@ -223,8 +222,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.model and args.n_embd % args.n_head:
         ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
-    if args.dropout is not None and not args.dropout < 1.0:
-        ap.error(f"--dropout: got {args.dropout:g}; must be in [0, 1)")
     if args.dropout is not None and args.model:
         ap.error(f"--dropout applies to the default model; --model {args.model} keeps its own (set it in its "
                  f"config), or leave --dropout out")

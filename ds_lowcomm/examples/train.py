@@ -25,7 +25,7 @@ import deepspeed  # noqa: E402
 import hjson  # noqa: E402
 import ds_lowcomm  # noqa: E402  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
 from ds_lowcomm.integration.preemption import PreemptionGuard  # noqa: E402
-from common import fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
+from common import dropout, fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n-head", type=at_least(1), default=4)
     ap.add_argument("--n-embd", type=at_least(1), default=128)
     ap.add_argument("--block-size", type=at_least(1), default=128)
-    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--dropout", type=dropout, default=0.0)
     ap.add_argument("--max-steps", type=at_least(1), default=200, help="optimizer steps")
     ap.add_argument("--eval-every", type=at_least(0), default=50, help="steps between validation runs (0: end only)")
     ap.add_argument("--eval-iters", type=at_least(1), default=10, help="micro-batches per rank per validation")
@@ -149,8 +149,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--resume needs --save-dir")
     if args.n_embd % args.n_head:
         ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
-    if not 0.0 <= args.dropout < 1.0:
-        ap.error(f"--dropout: got {args.dropout:g}; must be in [0, 1)")
     return args
 
 

@@ -125,8 +125,8 @@ class ParamAverage(Round):
     """A streamed parameter sync on the comm worker, launched by
     :meth:`ReplicaSyncs.start_param_sync`: dense, ``wire`` (this replica's master, or with the
     outer optimizer its pseudo-gradient anchor − master) all-reduced over the replica group, 4·N
-    bytes (N the shard's elements) of which 2(R−1)/R sent; compressed, the payload encoded at the launch all-gathered,
-    (R−1) payloads sent. It leaves the sync's result, the parameters every replica agrees on, in
+    bytes (N the shard's elements) of which 2(R−1)/R sent; compressed, the payload encoded at the
+    launch all-gathered, (R−1) payloads sent. It leaves the sync's result, the parameters every replica agrees on, in
     :attr:`ReplicaSyncs.result` (the mean, or the anchor moved by the mean or the outer step).
     Then each moment launched with it (:attr:`ReplicaSyncs.in_flight`): its wire averaged in place,
     one all-reduce of its informative ranges (2(R−1)/R · 4 bytes per element), as a synchronous
@@ -231,8 +231,7 @@ class ReplicaSyncs:
         (the replica group, None with one replica) the states due this round, each in place in
         one all-reduce of 4 bytes per element it carries (the shard's N, or Muon's second moment's
         AdamW ranges; one concatenated call would hold a copy of them all), a compressed sync in
-        one all-gather of its payload. With
-        ``param_sync_delay``, first apply the streamed sync due this round (``param_groups``: the
+        one all-gather of its payload. With ``param_sync_delay``, first apply the streamed sync due this round (``param_groups``: the
         betas its moments decay by), then launch the parameter sync, and the moments due with it,
         instead of running them (their bytes the same, sent from the comm worker)."""
         self.rounds += 1
