@@ -140,6 +140,17 @@ def _grad(model, rank, t):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _replica_steps(models, opts, t, ranks_per_replica=1):
+    """Step ``t`` of every replica: replica r's optimizer step on the mean of the step's gradients
+    of its ranks (r·S … r·S + S − 1, S = ``ranks_per_replica``)."""
+    for r, (model, opt) in enumerate(zip(models, opts)):
+        ranks = range(r * ranks_per_replica, (r + 1) * ranks_per_replica)
+        per_rank = [_grad(model, rank, t - 1) for rank in ranks]
+        for p, *gs in zip(model.parameters(), *per_rank):
+            p.grad = sum(gs) / ranks_per_replica
+        opt.step()
+
+
 def _micro_grad(model, rank, t, m):
     """The gradient of micro-batch ``m`` of step ``t`` on ``rank`` at ``model``'s parameters."""
     model.zero_grad(set_to_none=True)
@@ -229,12 +240,7 @@ def _desloc_reference(kx, ku, kv, outer_lr=1.0, outer_momentum=0.0, delay=0, ste
     pending = None  # (step it is applied at, [s_0, s_1], x̄, {moment: ([m_0,t, m_1,t], m̄)})
     out = []
     for t in range(1, steps + 1):
-        for r, (model, opt) in enumerate(zip(models, opts)):
-            ranks = range(r * ranks_per_replica, (r + 1) * ranks_per_replica)
-            per_rank = [_grad(model, rank, t - 1) for rank in ranks]
-            for p, *gs in zip(model.parameters(), *per_rank):
-                p.grad = sum(gs) / ranks_per_replica
-            opt.step()
+        _replica_steps(models, opts, t, ranks_per_replica)
         pairs = list(zip(models[0].parameters(), models[1].parameters()))
         if pending is not None and pending[0] == t:
             with torch.no_grad():
@@ -432,10 +438,7 @@ def _desloc_compressed_reference(kx, topk, chunk, values="bf16", outer_lr=1.0, o
     pending = None  # (step it is applied at, [s_0, s_1], the anchor it made)
     out = []
     for t in range(1, STEPS + 1):
-        for r, (model, opt) in enumerate(zip(models, opts)):
-            for p, g in zip(model.parameters(), _grad(model, r, t - 1)):
-                p.grad = g
-            opt.step()
+        _replica_steps(models, opts, t)
         if pending is not None and pending[0] == t:
             with torch.no_grad():
                 for model, launched in zip(models, pending[1]):
@@ -518,12 +521,7 @@ def _desloc_compressed_moments_reference(kx, ku, kv, topk, chunk, values, floore
 
     out = []
     for t in range(1, STEPS + 1):
-        for r, (model, opt) in enumerate(zip(models, opts)):
-            ranks = range(r * ranks_per_replica, (r + 1) * ranks_per_replica)
-            per_rank = [_grad(model, rank, t - 1) for rank in ranks]
-            for p, *gs in zip(model.parameters(), *per_rank):
-                p.grad = sum(gs) / ranks_per_replica
-            opt.step()
+        _replica_steps(models, opts, t, ranks_per_replica)
         for key, every in (("exp_avg", ku), ("exp_avg_sq", kv)):
             if t % every:
                 continue

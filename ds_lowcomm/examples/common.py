@@ -24,26 +24,26 @@ def parse_slow_ranks(text: str) -> dict:
     return out
 
 
-def dropout(text: str) -> float:
-    """argparse type: a dropout probability, at least 0 and below 1."""
+def _number(text: str, example: str, allowed, says: str) -> float:
+    """``text`` as a float for which ``allowed(value)`` holds, else an argparse error that gives
+    ``example`` (unparseable) or ``says`` (out of range)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number, e.g. 0.2") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"got {value:g}; must be in [0, 1)")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number, e.g. {example}") from None
+    if not allowed(value):
+        raise argparse.ArgumentTypeError(f"got {value:g}; must be {says}")
     return value
+
+
+def dropout(text: str) -> float:
+    """argparse type: a dropout probability, at least 0 and below 1."""
+    return _number(text, "0.2", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
 
 def fraction(text: str) -> float:
     """argparse type: a number strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"got {value:g}; must be between 0 and 1 (exclusive)")
-    return value
+    return _number(text, "0.05", lambda v: 0.0 < v < 1.0, "between 0 and 1 (exclusive)")
 
 
 def slow_factor(slow_ranks: dict, rank: int, world: int) -> float:
