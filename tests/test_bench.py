@@ -149,8 +149,9 @@ def test_bench_base_is_nanogpts_shakespeare_char_model(tmp_path, capsys):
     """``--model base`` is nanoGPT's shakespeare-char model, 6 layers × 384 wide, 6 heads, a context
     of 256 and dropout 0.2, passed to each training script the bench launches (examples/train.py,
     its DDP twin, the Trainer's example); the other models leave each script its own dropout;
-    ``--dropout`` overrides either; outside [0, 1) it ends the bench in one line, and the Trainer's
-    example refuses it for a pretrained ``--model``."""
+    ``--dropout`` overrides either; outside [0, 1) it ends the bench in one line. Both scripts build
+    their default model with it (the Trainer's example GPT-2's own 0.1 without it), and the
+    Trainer's example refuses it for a pretrained ``--model``."""
     from ds_lowcomm.bench import cli
     from ds_lowcomm.bench.link import Link
     from ds_lowcomm.bench.runs import train_command, trainer_command
@@ -175,11 +176,14 @@ def test_bench_base_is_nanogpts_shakespeare_char_model(tmp_path, capsys):
     assert "--dropout: got 1; must be in [0, 1)" in capsys.readouterr().err
     sys.path.insert(0, str(ROOT / "examples"))
     import finetune_hf
+    import torch
     import train
 
     built = train.build_model(train.parse_args(["--deepspeed", "zero1", "--dropout", "0.2"]), 65).config
     assert (built.resid_pdrop, built.embd_pdrop, built.attn_pdrop) == (0.2, 0.2, 0.2)
-    assert finetune_hf.parse_args(["--dropout", "0.2"]).dropout == 0.2
+    for argv, want in (([], 0.1), (["--dropout", "0.2"], 0.2)):  # GPT-2's own 0.1 without the flag
+        model = finetune_hf.default_model(finetune_hf.parse_args(argv), finetune_hf.ByteTokenizer())
+        assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {want}, argv
     with pytest.raises(SystemExit):
         finetune_hf.parse_args(["--dropout", "0.2", "--model", "gpt2"])
     assert "--dropout applies to the default model" in capsys.readouterr().err

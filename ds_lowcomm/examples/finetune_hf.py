@@ -244,6 +244,16 @@ def resume_point(resume, output_dir: str):
     return newest
 
 
+def default_model(args: argparse.Namespace, tok: ByteTokenizer) -> transformers.GPT2LMHeadModel:
+    """The model trained without ``--model``: a fresh GPT-2 of ``--n-layer`` × ``--n-embd`` over
+    ``tok``'s bytes; ``--dropout``, where given, for its residual, embedding and attention dropout."""
+    drop = {} if args.dropout is None else dict(resid_pdrop=args.dropout, embd_pdrop=args.dropout,
+                                                attn_pdrop=args.dropout)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=tok.vocab_size, n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
+        n_head=args.n_head, **drop, bos_token_id=tok.pad_token_id, eos_token_id=tok.pad_token_id))
+
+
 def main() -> None:
     args = parse_args()
 
@@ -255,11 +265,7 @@ def main() -> None:
         encode, eos = (lambda t: tok(t)["input_ids"]), tok.eos_token_id
     else:
         tok = ByteTokenizer()
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=tok.vocab_size, n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, **({} if args.dropout is None else
-                                   dict(resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout)),
-            bos_token_id=tok.pad_token_id, eos_token_id=tok.pad_token_id))
+        model = default_model(args, tok)
         encode, eos = tok, tok.pad_token_id
     dataset = Blocks(read_records(args.data), encode, eos, args.block_size)
     n_val = int(len(dataset) * args.val_fraction)
