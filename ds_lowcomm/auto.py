@@ -51,8 +51,8 @@ from ds_lowcomm.config import LowCommConfigError
 
 #: ``r`` below which communication is a small share of a step (the fast regime: zero1 is at DDP's pace)
 FAST = 0.25
-#: ``r`` from which the local modes win (the slow regime, a DDP sync = 10 steps of compute: DeMo
-#: and DES-LOC reach DDP's loss in 0.12-0.19x its time; at r = 1, acco in 0.72x)
+#: ``r`` from which the local modes win over the synchronous ones (the bench's slow regime is
+#: r = 10; where each stands at which r: docs/automatic.md)
 SLOW = 3.0
 #: the slowest rank's step over the fastest's from which ranks count as uneven (pace.TRIGGER)
 UNEVEN = 1.5

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 SECTION = "lowcomm"
-#: ``"mode": "auto"``: not a mode but a chooser of one (:mod:`ds_lowcomm.auto`)
+#: ``"mode": "automatic"``: not a mode but a chooser of one (:mod:`ds_lowcomm.auto`)
 AUTO = "automatic"
 COMM_DTYPES = ("auto", "fp32", "bf16")
 PACES = ("fastest", "slowest")
@@ -149,7 +149,7 @@ class LowCommConfig:
     @staticmethod
     def from_dict(raw: Any, modes: Mapping[str, Any]) -> "LowCommConfig":
         """Validate the raw ``"lowcomm"`` object against ``modes`` (the registry, name -> mode
-        class, :data:`ds_lowcomm.modes.modes`). Raises :class:`LowCommConfigError`."""
+        class, :data:`ds_lowcomm.modes.MODES`). Raises :class:`LowCommConfigError`."""
         if not isinstance(raw, Mapping):
             raise LowCommConfigError(f"{SECTION}: got {raw!r}; expected a JSON object such as "
                                      f'{{"mode": "zero1"}}')

@@ -26,7 +26,7 @@ def temporary(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     On CPU it is cut from an allocation of at least ``MMAP_THRESHOLD_MAX``: glibc raises its
     dynamic mmap threshold to the size of any mmap-served block freed below that, after which
     every allocation under that size (the next forward's activations) comes from the heap and
-    stays resident when freed (RSS grew by tens of MB a step on the checkpoint bench's model).
+    stays resident when freed (RSS grew step by step on the checkpoint bench's model).
     A larger block never moves the threshold, and the pages a short temporary leaves untouched
     are never resident. Elsewhere (CUDA's caching allocator) a plain ``torch.empty``.
     """
@@ -53,7 +53,7 @@ def release_freed_heap() -> None:
     On the CPU accelerator every tensor lives in the process heap. glibc keeps the pages of freed
     blocks below its mmap threshold (32 MiB at most), so the per-parameter gradients autograd
     frees after each backward (fp32 sums of a bf16/fp16 model: see ``GradAccumulator``) stay
-    resident and add up to tens of MB of peak RSS that no tensor uses. It is not free: the next
+    resident and add to the peak RSS though no tensor uses them. It is not free: the next
     backward faults every released page back in (docs/benchmarks.md, the fast regime). Other
     accelerators keep tensors in device memory: call it on CPU only.
     """

@@ -345,8 +345,11 @@ class LowCommOptimizer(torch.optim.Optimizer):
     def on_micro_batch_end(self, boundary: bool, computed: bool = True, weight=1.0) -> None:
         """Called by the engine after every micro-batch's backward pass, or in its place for one
         run forward only (``computed`` False); ``weight``: 1, or its label tokens (a 0-d tensor)
-        when the loop normalises the loss by ``num_items_in_batch``. No communication, except
-        at the end of the first micro-batch under "mode": "automatic", which chooses the mode then."""
+        when the loop normalises the loss by ``num_items_in_batch``. Communication: the mode's
+        (:meth:`Mode.on_micro_batch_end`: at a boundary, zero1 ``overlap`` launches its last
+        gradient buckets' reduce-scatters and acco installs one round and launches the next), and
+        at the end of the first micro-batch under "mode": "automatic" the probes that choose the
+        mode (:mod:`ds_lowcomm.auto`)."""
         if self.mode is None:
             self._choose()
             if self.mode.drives_steps and not self._marks_boundaries:
@@ -366,7 +369,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """At an accumulation boundary: the mode's communication and update. ``closure`` unsupported."""
+        """At an accumulation boundary: the mode's communication and update (:meth:`Mode.step`;
+        its bytes per step: each mode's module docstring and docs/modes/). ``closure``
+        unsupported."""
         if closure is not None:
             raise ValueError("LowCommOptimizer.step does not take a closure")
         if self.mode is None:
@@ -453,7 +458,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.grads.attach()
 
     def flush(self) -> None:
-        """Install any update still in flight (call before exporting the final model)."""
+        """Install any update still in flight (call before exporting the final model); collective,
+        its cost the mode's :meth:`Mode.flush`."""
         if self.mode is not None:
             self.mode.flush()
 
@@ -477,7 +483,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         self.topology.close(control=True)
 
     def master_weights(self) -> torch.Tensor:
-        """Full unpadded fp32 master weights (collective; before "automatic" has chosen: the parameters)."""
+        """Full unpadded fp32 master weights: an all-gather over the shard group, (S−1)/S · P · 4
+        bytes sent per rank (before "automatic" has chosen: the parameters, no communication)."""
         if self.mode is None:
             return self.flat.unpadded(self.flat.buffer).float().clone()
         return self.mode.master_weights()

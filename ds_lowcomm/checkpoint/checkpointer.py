@@ -251,7 +251,9 @@ class Checkpointer:
         through ``optimizer.checkpoint_shards``). Raises
         :class:`CheckpointError` naming the file on every rank when any rank's files are bad.
         Background saves of this process are waited for first (one that failed left ``latest``
-        on the previous checkpoint, which is what loads)."""
+        on the previous checkpoint, which is what loads). Communication: up to four verdicts,
+        each an all-gather of a few bytes per rank (the tag, the metadata, the optimizer's check,
+        the files); each rank reads only its own files."""
         wait_for_saves()
         tag = _agreed(functools.partial(self._find_tag, load_dir, tag))
         tag_dir = os.path.join(load_dir, tag)

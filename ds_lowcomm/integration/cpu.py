@@ -7,9 +7,10 @@ import sys
 def skip_shm_comm_build() -> None:
     """Stop DeepSpeed (0.19.8) from JIT-compiling its shared-memory comm op on the CPU accelerator.
 
-    ``TorchBackend.__init__`` builds ``deepspeed_shm_comm`` (~30 s cold) for ``inference_all_reduce``
-    only (``deepspeed/comm/torch.py``); training collectives never use it. Call before
-    ``deepspeed.init_distributed`` / ``deepspeed.initialize``. No effect on other accelerators.
+    ``TorchBackend.__init__`` builds ``deepspeed_shm_comm`` (a JIT compile on a cold cache) for
+    ``inference_all_reduce`` only (``deepspeed/comm/torch.py``); training collectives never use it.
+    Call before ``deepspeed.init_distributed`` / ``deepspeed.initialize``. No effect on other
+    accelerators.
     """
     from deepspeed.accelerator import get_accelerator
 

@@ -243,7 +243,10 @@ class LowCommEngine(DeepSpeedEngine):
         """DeepSpeed's ``backward``; with fp16 the loss is multiplied by the loss scale first (at
         ZeRO stage 0 DeepSpeed 0.19.8 only scales for its own optimizers) and the returned loss
         is unscaled again. After a forward pass run forward only (see :meth:`forward`), no
-        backward runs: the micro-batch is counted as handed out and not computed."""
+        backward runs: the micro-batch is counted as handed out and not computed. Communication:
+        the optimizer's :meth:`~ds_lowcomm.optimizer.LowCommOptimizer.on_micro_batch_end` (zero1
+        ``overlap``'s gradient buckets and acco's rounds launch here; "automatic" probes the
+        links after the first backward)."""
         computed, weight = self._micro_batch or (True, 1.0)
         self._micro_batch = None
         if not self._loop_bound:
@@ -291,7 +294,9 @@ class LowCommEngine(DeepSpeedEngine):
         optimizer's metadata), plus one file per rank with what that rank owns, a manifest, and
         ``latest`` written last (:class:`~ds_lowcomm.checkpoint.Checkpointer`): a save killed at
         any point leaves the previous checkpoint the one that resumes. Communication besides
-        DeepSpeed's: a barrier and each rank's file record; no optimizer state is gathered. With
+        DeepSpeed's: the optimizer's ``settle`` first (acco: an all-reduce of W launch counts, and a
+        round for a rank one behind), a barrier and each rank's file record; no optimizer state
+        is gathered. With
         ``lowcomm.async_save`` it returns once this rank's state is copied, and the rest (this
         rank's file, the manifest, ``latest``) happens on a background thread."""
         self.optimizer.require_mode("save a checkpoint")  # before DeepSpeed writes anything
@@ -344,7 +349,10 @@ class LowCommEngine(DeepSpeedEngine):
         before DeepSpeed unpickles it). A missing, foreign, changed, truncated or unsafe
         checkpoint raises :class:`~ds_lowcomm.checkpoint.CheckpointError` naming the file, on
         every rank (stock DeepSpeed only warns and returns ``(None, None)`` when ``latest`` is
-        missing)."""
+        missing). Communication besides DeepSpeed's: the optimizer's ``settle``, a few bytes per
+        rank for each verdict on the files
+        (:meth:`~ds_lowcomm.checkpoint.Checkpointer.load`), and under "automatic" the saved
+        choice's process groups; no optimizer state crosses ranks."""
         load_states = load_optimizer_states and not kwargs.get("load_module_only")
         # No round may write the parameters after DeepSpeed loads them (zero1.overlap's all-gather).
         self.optimizer.settle()

@@ -362,20 +362,24 @@ class Acco(Mode):
 
     def settle(self) -> None:
         """Align the ranks' rounds, then wait for the round in flight (without installing it): the
-        optimizer state is then stable. Collective."""
+        optimizer state is then stable. Collective: an all-reduce of W float64 launch counts on
+        the control group, and on a rank one round behind, that round (reduce-scatter, norm,
+        all-gather: a ZeRO-1 round, as above)."""
         self._align()
         self.inflight.settle()
 
     def flush(self) -> None:
         """Give the model the latest real parameters θ (the master), e.g. before a final export.
 
-        The pending round, if any, stays pending; training may go on after a flush.
+        The pending round, if any, stays pending; training may go on after a flush. Collective:
+        :meth:`settle`, then an all-gather of the master, (W−1)/W · P · 4 bytes sent per rank.
         """
         self.inflight.rebase(self.master_weights())  # settles; a pending change stays right
 
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
+        """:meth:`settle`, then an all-gather of the master, (W−1)/W · P · 4 bytes sent per rank."""
         self.settle()
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 

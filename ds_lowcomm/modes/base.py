@@ -81,17 +81,22 @@ class Mode(abc.ABC):
         return self.paces
 
     def on_backward_start(self, boundary: bool) -> None:
-        """Called before every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
+        """Called before every backward pass; ``boundary`` is DeepSpeed's accumulation boundary.
+        No communication."""
 
     def on_micro_batch_end(self, boundary: bool) -> None:
-        """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary."""
+        """Called after every backward pass; ``boundary`` is DeepSpeed's accumulation boundary.
+        May launch collectives that overlap the next compute (zero1 ``overlap``, acco)."""
 
     @abc.abstractmethod
     def step(self) -> None:
-        """At an accumulation boundary: communicate and update (possibly asynchronously)."""
+        """At an accumulation boundary: communicate and update (possibly asynchronously). Each
+        mode states its bytes per step in its module docstring."""
 
     def flush(self) -> None:
-        """Finish and install any round in flight, so the model holds the latest update."""
+        """Finish and install any round in flight, so the model holds the latest update.
+        Collective where a mode gathers the master into the model (acco, desloc with a streamed
+        sync in flight: an all-gather over the shard group); none by default."""
 
     def settle(self) -> None:
         """Make the optimizer state stable and the same step on every rank, without changing the
@@ -100,7 +105,8 @@ class Mode(abc.ABC):
 
     @abc.abstractmethod
     def master_weights(self) -> torch.Tensor:
-        """The full fp32 master weights, unpadded flat (collective: every rank must call it)."""
+        """The full fp32 master weights, unpadded flat (collective: every rank must call it; an
+        all-gather over the shard group, (S−1)/S · P · 4 bytes sent per rank)."""
 
     def metrics(self) -> dict:
         """Mode-specific numbers for :meth:`LowCommOptimizer.comm_stats`."""

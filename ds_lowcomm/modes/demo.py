@@ -16,8 +16,8 @@ packed payload travels. Per optimizer step, on each rank's shard::
 Tiles (``tiling``, see ds_lowcomm.modes.dct): by default each weight matrix's whole rows in the shard are
 tiled on the matrix's own rows and columns (the reference DeMo's 2-D tiling), the rest flat;
 ``"flat"`` tiles the flat shard whatever the parameter boundaries (as torchtitan-lowcomms does).
-Matrix tiling gave 0.2–0.5% lower loss in each of four measured settings for ~1% more payload
-(docs/modes/demo.md). Either way any parameter shape works and the shard split is free.
+Matrix tiling is the default because it gave the lower loss in every setting measured, for a
+slightly larger payload (docs/modes/demo.md). Either way any parameter shape works and the shard split is free.
 
 Bytes across replica groups per rank and step: (R−1)·payload sent and received, payload =
 ``DctTopK.payload_bytes`` (about 1/256 of fp32 ZeRO-1's bytes with chunk 64, top 32, bf16
@@ -199,6 +199,8 @@ class Demo(Mode):
 
     @torch.no_grad()
     def step(self) -> None:
+        """One DeMo round (its bytes above): on the training thread, or with overlap this step's
+        round packed and launched on the comm worker and the previous one's result installed."""
         ctx = self.ctx
         if self.inflight is None:
             step_now(ctx, self._round(ctx.grads.buffer, ctx.flat.buffer))
@@ -253,6 +255,7 @@ class Demo(Mode):
     # -- state --------------------------------------------------------------------------------
 
     def master_weights(self) -> torch.Tensor:
+        """An all-gather of the master over the shard group, (S−1)/S · P · 4 bytes sent per rank."""
         self.settle()
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.shard.master)
 

@@ -554,6 +554,8 @@ class Desloc(Mode):
         self.local_ctx = dataclasses.replace(ctx, worker=None)
 
     def step(self) -> None:
+        """The local step (a ZeRO-1 round inside the shard group), then the averages due across
+        replicas (their bytes above; nothing on most steps)."""
         step_now(self.local_ctx, DeslocRound(self.local_ctx, self.adamw, self.syncs))
 
     def metrics(self) -> dict:
@@ -565,7 +567,8 @@ class Desloc(Mode):
 
     def flush(self) -> None:
         """Before the final export: apply a streamed sync still in flight now (its round may never
-        come) and gather the master into the model (an all-gather inside the shard group).
+        come) and gather the master into the model (an all-gather inside the shard group,
+        (S−1)/S · P · 4 bytes sent per rank).
         Checkpoints keep it in flight instead (:meth:`state`)."""
         if self.syncs.ticket is not None:
             self.syncs.finish_param_sync(self.adamw, self.ctx.param_groups)

@@ -78,14 +78,19 @@ class Zero1(Mode):
         return options.overlap
 
     def on_backward_start(self, boundary: bool) -> None:
+        """With overlap, before the step's last backward: arm the gradient hooks that launch each
+        bucket's reduce-scatter as its gradients are complete (the step's reduce-scatter bytes)."""
         if boundary and self.buckets is not None:
             self.buckets.arm()
 
     def on_micro_batch_end(self, boundary: bool) -> None:
+        """With overlap, after the step's last backward: launch the buckets not launched yet."""
         if boundary and self.buckets is not None:
             self.buckets.finish()
 
     def step(self) -> None:
+        """One ZeRO-1 round on the training thread: the table above (with overlap, the
+        reduce-scatter already launched and the all-gather left to the next forward)."""
         ctx = self.ctx
         reduced = None if self.buckets is None else self.buckets.take()  # waits for every bucket
         pacer = ctx.pacer if ctx.pacer is not None and ctx.pacer.active else None
@@ -126,6 +131,7 @@ class Zero1(Mode):
                 "param_buckets_overlapped": self.gathers.waited_in_forward / max(self.gathers.gathered, 1)}
 
     def master_weights(self) -> torch.Tensor:
+        """An all-gather of the master, (W−1)/W · P · 4 bytes sent per rank."""
         self.settle()
         return gather_full(self.ctx.checkpoint_comm, self.ctx.flat.layout, self.adamw.master)
 

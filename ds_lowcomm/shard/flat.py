@@ -60,14 +60,6 @@ class ShardLayout:
                 out.append(Segment(g, a - lo, b - lo))
         return out
 
-    def pad(self, full: torch.Tensor) -> torch.Tensor:
-        """A padded copy of an unpadded flat tensor of ``numel`` elements."""
-        if full.numel() != self.numel:
-            raise ValueError(f"expected {self.numel} elements, got {full.numel()}")
-        out = full.new_zeros(self.padded)
-        out[: self.numel].copy_(full)
-        return out
-
 
 class FlatParams:
     """Makes the parameters of ``param_groups`` views of one padded flat buffer.
