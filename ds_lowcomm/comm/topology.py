@@ -44,7 +44,7 @@ class Topology:
     def build(shard_group_size: Optional[int], timeout_s: float, stats: CommStats,
               control: Optional[Collectives] = None) -> "Topology":
         """Create the private groups (``control``: another topology's, kept). Collective over the
-        world: every rank must call it."""
+        world: every rank must call it; no bytes of its own beyond each group's rendezvous."""
         world, rank = dist.get_world_size(), dist.get_rank()
         g = world if shard_group_size is None else shard_group_size
         if g > world or world % g:

@@ -56,7 +56,9 @@ def _engine(trainer):
 
 def install_trainer_hooks() -> None:
     """Wrap ``Trainer.log``, ``save_model`` and ``_maybe_log_save_evaluate`` once, if the
-    Trainer is loaded (idempotent)."""
+    Trainer is loaded (idempotent). Communication they add: the final ``save_model`` flushes the
+    optimizer (:meth:`~ds_lowcomm.optimizer.LowCommOptimizer.flush`), and each step's end polls
+    the preemption guard (:meth:`~ds_lowcomm.integration.preemption.PreemptionGuard.poll`)."""
     module = sys.modules.get("transformers.trainer")
     trainer_cls = getattr(module, "Trainer", None)
     if trainer_cls is None or getattr(trainer_cls.log, "ds_lowcomm_wrapped", False):

@@ -113,7 +113,8 @@ def initialize(*args, **kwargs):
 
     Validates the whole config first (raises :class:`LowCommConfigError`), initialises
     torch.distributed with ``lowcomm.collective_timeout_s`` if nobody has, and builds the engine
-    with a copy of the config at ZeRO stage 0.
+    with a copy of the config at ZeRO stage 0. Collective: DeepSpeed's broadcast of the model from
+    rank 0 (as stock), and the mode's process groups.
     """
     bound = inspect.signature(_original_initialize).bind(*args, **kwargs)
     ds_config = _resolve_config(bound)

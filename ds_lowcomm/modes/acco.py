@@ -129,9 +129,12 @@ class AccoRound(ShardedStepRound):
         self.wire_dtype = wire_dtype or ctx.comm_dtype
 
     def reduce(self):
+        """Phase 2 in ``wire_dtype`` (bf16 for an estimate by default): (W−1)/W · P · wire bytes."""
         return reduce_gradient(self.ctx, self.grads, self.wire_dtype)
 
     def update(self, grad: torch.Tensor, factor: float) -> torch.Tensor:
+        """Phase 4: the estimate (AdamW's result, the state untouched) or the real step; with
+        ``delta``, its change from the parameters the model holds, in ``delta``'s dtype. Local."""
         if self.estimate:
             out = self.adamw.master.to(self.target.dtype, copy=True)
             if not self.skipped:
@@ -145,6 +148,8 @@ class AccoRound(ShardedStepRound):
         return out
 
     def gather(self, out: torch.Tensor) -> None:
+        """Phase 5: the parameters, or with ``delta`` their change, all-gathered: (W−1)/W · P ·
+        (param or delta) bytes."""
         self.ctx.topology.shard.all_gather(self.target if self.delta is None else self.delta, out)
 
     def install(self) -> None:

@@ -111,6 +111,8 @@ class DemoRound(StepRound):
         self.capture_step(self.ctx.loss_scale, self.ctx.steps)
 
     def run(self) -> None:
+        """The round (the class docstring): a reduce-scatter and a norm inside the shard group,
+        one all-gather of the payloads across replica groups, an all-gather of the parameters."""
         ctx, hyper, state, codec = self.ctx, self.hyper, self.shard, self.codec
         shard, replica = ctx.topology.shard, ctx.topology.replica
 

@@ -140,6 +140,7 @@ class ParamAverage(Round):
         """Nothing: :meth:`ReplicaSyncs.start_param_sync` fills the wire before submitting."""
 
     def run(self) -> None:
+        """On the comm worker: the sync's collectives (the class docstring's bytes)."""
         syncs = self.syncs  # the anchor and outer momentum are the worker's until the sync is applied
         if syncs.codec is not None:
             syncs.apply_compressed(self.replica)
@@ -481,6 +482,8 @@ class DeslocRound(ShardedStepRound):
         self.syncs = syncs
 
     def update(self, grad: torch.Tensor, factor: float) -> torch.Tensor:
+        """The local step, then :meth:`ReplicaSyncs.average_due` (across the replica group: the
+        syncs due this round, the module's bytes; nothing on most rounds)."""
         out = super().update(grad, factor)
         self.syncs.average_due(self.adamw, self.ctx.topology.replica, self.hyper)
         return out

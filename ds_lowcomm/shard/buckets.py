@@ -57,6 +57,8 @@ class BucketRound(Round):
         """Nothing to capture: the range's sums are final and nobody writes them before the step."""
 
     def run(self) -> None:
+        """On the comm worker: the bucket's reduce-scatter, (W−1)/W · (end − start) · wire bytes
+        sent per rank."""
         sums, layout = self.ctx.grads.buffer, self.ctx.flat.layout
         if self.buckets.own_finite is not None:
             # Reduced in place (2-byte sums): first note whether this rank's own part of the
@@ -76,7 +78,8 @@ class GradBuckets:
     backward pass between :meth:`arm` and :meth:`finish`: this rank's fp32 shard, allocated at
     :meth:`arm`, or with 2-byte sums this rank's own part of them, reduced in place as the step's
     round would (:class:`~ds_lowcomm.shard.step.ShardedStepRound`). Needs an asynchronous
-    :class:`~ds_lowcomm.comm.worker.CommWorker` (rounds in submission order)."""
+    :class:`~ds_lowcomm.comm.worker.CommWorker` (rounds in submission order). The buckets together
+    send what the step's reduce-scatter would, (W−1)/W · P · wire bytes per rank."""
 
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
@@ -176,6 +179,8 @@ class GatherRound(Round):
         """Nothing to capture: ``shard`` is the step's result, written before this round runs."""
 
     def run(self) -> None:
+        """On the comm worker: the bucket's all-gather, (W−1)/W · (end − start) · param bytes sent
+        per rank."""
         self.ctx.topology.shard.all_gather_range(self.ctx.flat.buffer, self.shard, self.start, self.end)
 
     def install(self) -> None:

@@ -181,7 +181,8 @@ def reduce_gradient(ctx: ModeContext, grads: torch.Tensor,
     before (a device bool, read only for the log of a skip). fp32 sums land in an fp32 shard;
     2-byte sums are reduced into this rank's own part of them, as stock DeepSpeed reduces its
     bf16/fp16 gradients (each chunk is copied out before its sum lands there): no fp32 shard
-    beside the sums (4/W bytes per parameter), the sum rounded once to 2 bytes."""
+    beside the sums (4/W bytes per parameter), the sum rounded once to 2 bytes. Sends
+    (W−1)/W · P · wire bytes per rank."""
     layout = ctx.flat.layout
     if grads.dtype == torch.float32:
         grad, own_finite = temporary(layout.shard_size, torch.float32, grads.device), None
@@ -246,6 +247,7 @@ class ShardedStepRound(StepRound):
             self.counts.weights = self.counts.weights.clone()  # the accumulator zeroes its own
 
     def run(self) -> None:
+        """The five phases in order; their bytes are the module's table."""
         comm = self.ctx.topology.shard
         scale = self.scale
         if self.counts is not None:
@@ -294,7 +296,7 @@ def step_now(ctx: ModeContext, rnd: StepRound,
     thread, all of its time exposed: counted as waited for; or, where the mode has a comm worker,
     zero1 with overlap, on its thread, after the buckets queued before it, waiting for it without
     a host read of the device on the training thread), install it, clear the gradient sums,
-    ``after_install(rnd)`` if given, and count the step."""
+    ``after_install(rnd)`` if given, and count the step. Communication: the round's own."""
     rnd.pack()
     if ctx.worker is not None:
         ctx.worker.wait(ctx.worker.submit(rnd))
