@@ -51,6 +51,8 @@ def wire_bytes(op: str, nbytes: int, world: int) -> Tuple[float, float]:
 
 @dataclass
 class OpStats:
+    """One collective's totals in this process: calls, bytes this rank sent and received (the
+    algorithm's, not the backend's), and seconds spent in it."""
     calls: int = 0
     bytes_sent: float = 0.0
     bytes_received: float = 0.0
@@ -71,6 +73,7 @@ class CommStats:
         self.rounds = 0
 
     def record(self, op: str, sent: float, received: float, seconds: float) -> None:
+        """Add one call of collective ``op`` to its totals."""
         s = self.ops[op]
         s.calls += 1
         s.bytes_sent += sent
@@ -84,10 +87,12 @@ class CommStats:
 
     @property
     def bytes_sent(self) -> float:
+        """Bytes this rank sent, over every collective."""
         return sum(s.bytes_sent for s in self.ops.values())
 
     @property
     def bytes_received(self) -> float:
+        """Bytes this rank received, over every collective."""
         return sum(s.bytes_received for s in self.ops.values())
 
     def as_dict(self) -> dict:

@@ -76,6 +76,8 @@ from ds_lowcomm.shard.step import Counts, ShardedStepRound, reduce_gradient
 
 @dataclass(frozen=True)
 class AccoOptions:
+    """``lowcomm.acco``: ACCO's options (docs/configuration.md lists them)."""
+
     variant: str = option("acco", "'acco' (estimate + real round) or 'dpu' (delayed update)",
                           choices=("acco", "dpu"))
     accumulate_while_waiting: Optional[bool] = option(

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DemoOptions:
+    """``lowcomm.demo``: DeMo's options (docs/configuration.md lists them)."""
+
     beta: float = option(0.999, "momentum decay (the reference's compression_decay)", minimum=0, below=1)
     chunk: int = option(64, "DCT tile edge: tiles of chunk × chunk elements", minimum=2)
     topk: int = option(32, "coefficients kept per tile", minimum=1)

@@ -91,6 +91,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class DeslocOptions:
+    """``lowcomm.desloc``: DES-LOC's options (docs/configuration.md lists them)."""
+
     param_sync_every: int = option(16, "Kx: steps between averages of the fp32 master", minimum=1)
     momentum_sync_every: Optional[int] = option(None, "Ku: steps between averages of the first moment; "
                                                 "null = 3·Kx, 0 = never (explicit opt-in)", minimum=0)

@@ -37,6 +37,8 @@ from ds_lowcomm.shard.step import Counts, ShardedStepRound, step_now
 
 @dataclass(frozen=True)
 class Zero1Options:
+    """``lowcomm.zero1``: zero1's options (docs/configuration.md lists them)."""
+
     overlap: bool = option(False, "reduce-scatter the gradient bucket by bucket while the step's last "
                            "backward pass runs, and all-gather the parameters bucket by bucket while "
                            "the next forward pass runs (a comm thread); the same result")
