@@ -154,6 +154,7 @@ BAD = [
     (_set(("data_types",), {"grad_accum_dtype": "fp64"}), "data_types.grad_accum_dtype", "got 'fp64'"),
     (_set(("communication_data_type",), "fp16"), "communication_data_type", "allowed"),
     (_set(("amp",), {"enabled": True}), "amp.enabled", "bf16"),
+    (_set(("torch_autocast",), {"enabled": True, "dtype": "float16"}), "torch_autocast.dtype", "\"fp16\": {"),
     (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
     (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
     (_set(("hybrid_engine",), {"enabled": True}), "hybrid_engine.enabled", "not supported"),
@@ -344,3 +345,27 @@ def test_gradient_clipping_follows_deepspeeds_default():
 
     (clip,) = run_ranks(_clipping, 1, timeout=120)
     assert clip == GRADIENT_CLIPPING_DEFAULT
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("timers, synchronized, warns", [
+    (None, False, False),
+    ({"throughput": {"enabled": True}}, False, False),
+    ({"throughput": {"synchronized": True}}, True, True),
+    ({"throughput": {"synchronized": True, "enabled": False}}, True, False),
+])
+def test_deepspeeds_throughput_timer_never_synchronizes_unasked(caplog, timers, synchronized, warns):
+    """The config DeepSpeed's engine gets says ``timers.throughput.synchronized`` false unless the
+    user's says true, which is kept with a warning naming the cost (tests/test_host_syncs.py counts
+    the synchronizes in real steps)."""
+    import logging
+
+    from ds_lowcomm.integration.initialize import _unsynchronized_throughput_timer
+
+    ds = {} if timers is None else {"timers": copy.deepcopy(timers)}
+    with caplog.at_level(logging.WARNING, logger="ds_lowcomm"):
+        _unsynchronized_throughput_timer(ds)
+    assert ds["timers"]["throughput"]["synchronized"] is synchronized
+    enabled = (timers or {}).get("throughput", {}).get("enabled", True)
+    assert ds["timers"]["throughput"].get("enabled", True) is enabled
+    assert ("timers.throughput.synchronized is true" in caplog.text) is warns

@@ -9,7 +9,9 @@ takes the same inventory on a GPU with ``torch.cuda.set_sync_debug_mode``.
 
 The target: none on the training thread in ``acco`` and ``zero1`` with overlap (the comm thread's
 reads stall only communication). The synchronous modes read the global norm's verdict on the
-training thread (skip the update or not: the host decides), once per step.
+training thread (skip the update or not: the host decides), once per step. And no device-wide
+``synchronize`` in any mode: DeepSpeed's throughput timer (0.19.8) makes one at every forward and
+step unless its config says ``"synchronized": false``, which ds_lowcomm sets.
 """
 import collections
 import threading
@@ -37,6 +39,8 @@ WARM, COUNTED = 3, 2
 
 
 def _count(rank, world):
+    from deepspeed.accelerator import get_accelerator
+
     counts = {}
     for mode, options in MODES.items():
         engine = workers.build_engine(workers.config(mode.split("-")[0], bf16=True, **options))
@@ -55,13 +59,24 @@ def _count(rank, world):
                 return original(self, *a, **k)
             return read
 
+        accelerator, device_syncs = get_accelerator(), []
+        synchronize = accelerator.synchronize
+
+        def recording_synchronize(*a, **k):  # (a no-op on CPU, a wait for every stream on CUDA)
+            device_syncs.append("".join(traceback.format_stack(limit=4)))
+            return synchronize(*a, **k)
+
         for name in READS:
             setattr(torch.Tensor, name, recording(name))
+        accelerator.synchronize = recording_synchronize
         try:
             workers.train(engine, COUNTED, start=WARM, rank=rank)
         finally:
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
+            accelerator.synchronize = synchronize
+        # (named by where the first came from, for the failure's message)
+        seen[("any", device_syncs[0] if device_syncs else "-", "synchronize")] = len(device_syncs)
         engine.destroy()
         counts[mode] = seen
     return counts
@@ -78,6 +93,7 @@ def test_host_reads_per_step(counts, mode):
     for (thread, where, name), n in counts[mode].items():
         per_thread[thread] += n
     reads = sorted(counts[mode].items())
+    assert per_thread.pop("any") == 0, reads  # no device-wide synchronize
     assert per_thread.pop("MainThread", 0) / COUNTED == TRAINING_THREAD[mode], reads
     # (a round in flight at either end of the count may read inside it or not)
     per_round, rounds = COMM_THREAD_READS[mode]

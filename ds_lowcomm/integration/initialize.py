@@ -146,6 +146,7 @@ def initialize(*args, **kwargs):
     if str(stage0.get("optimizer", {}).get("type", "")).lower() == "lowcommadamw":
         # The custom type name makes stock DeepSpeed fail loudly when ds_lowcomm is not loaded.
         stage0["optimizer"]["type"] = "AdamW"
+    _unsynchronized_throughput_timer(stage0)
     a["config"] = stage0
     a.pop("config_params", None)
     if a.get("args") is not None and getattr(a["args"], "deepspeed_config", None) is not None:
@@ -165,6 +166,24 @@ def initialize(*args, **kwargs):
     finally:
         deepspeed.DeepSpeedEngine = saved
         ds_logger.removeFilter(_quiet)
+
+
+def _unsynchronized_throughput_timer(ds_config: dict) -> None:
+    """DeepSpeed's throughput timer (0.19.8: ``timers.throughput``, on and ``synchronized`` by
+    default) synchronizes the whole device at every forward pass and every ``engine.step`` from
+    the third step on (``ThroughputTimer.start``/``stop``): each forward would wait for the
+    collectives the comm worker has in flight (zero1 and demo overlap, desloc's streamed syncs)
+    and the host could never run ahead. It times on the host clock instead, unless the config
+    says otherwise; a config that asks for the synchronization keeps it, with a warning."""
+    timers = ds_config.setdefault("timers", {})
+    throughput = timers.setdefault("throughput", {}) if isinstance(timers, dict) else None
+    if not isinstance(throughput, dict):
+        return  # not a JSON object: DeepSpeed's own config check names it
+    if throughput.setdefault("synchronized", False) and throughput.get("enabled", True) \
+            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        logging.getLogger("ds_lowcomm").warning("ds_lowcomm: timers.throughput.synchronized is true: DeepSpeed then synchronizes "
+                       "the device at every forward pass and step, which exposes the communication "
+                       "the modes overlap; remove it (ds_lowcomm sets it false) to keep the overlap")
 
 
 #: DeepSpeed (0.19.8) warnings, once per rank while the engine is built, that say nothing to a
