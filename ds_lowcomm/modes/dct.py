@@ -54,6 +54,13 @@ def _basis(chunk: int, device: str) -> torch.Tensor:
     return d.to(torch.float32).to(device)
 
 
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """1, 2, 4, …, 128, each bit's weight in a packed byte, made on ``device`` (built from a host
+    list, it would be a blocking copy to a GPU in every step)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                    torch.arange(8, dtype=torch.uint8, device=device))
+
+
 @dataclass(frozen=True)
 class DctTopK:
     """The codec for vectors of ``numel`` elements (see the module docstring).
@@ -210,8 +217,7 @@ class DctTopK:
             bits = (vals.reshape(-1) >= 0).to(torch.uint8)
             pad = (-bits.numel()) % 8
             bits = torch.cat([bits, bits.new_zeros(pad)]).view(-1, 8)
-            weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
-            parts.append((bits * weights).sum(dim=1, dtype=torch.uint8))
+            parts.append((bits * _bit_weights(bits.device)).sum(dim=1, dtype=torch.uint8))
             parts.append(vals.abs()[:, 0].to(torch.bfloat16).view(torch.uint8))
         out = torch.cat(parts)
         assert out.numel() == self.payload_bytes
@@ -227,8 +233,7 @@ class DctTopK:
         if self.values == "bf16":
             return idx, rest[: 2 * n].clone().view(torch.bfloat16).float().view(T, k)
         nbits = -(-n // 8)
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=buf.device)
-        bits = (rest[:nbits, None] & weights).ne(0).reshape(-1)[:n].view(T, k)
+        bits = (rest[:nbits, None] & _bit_weights(buf.device)).ne(0).reshape(-1)[:n].view(T, k)
         scale = rest[nbits: nbits + 2 * T].clone().view(torch.bfloat16).float().view(T, 1)
         return idx, torch.where(bits, scale, -scale)
 

@@ -156,11 +156,13 @@ def share_counts(comm, counts: Counts, gas: int, device: torch.device) -> float:
     # A row per rank, not the sums: every rank learns every rank's numbers at no extra call.
     rows = torch.zeros(comm.world, first + len(counts.paces), dtype=torch.float64, device=device)
     mine = rows[comm.rank]
-    mine[0] = counts.local_count
+    # Host numbers by fill_ (a kernel argument): ``mine[0] = n`` or a host tensor copied in would
+    # be a blocking host-to-device copy on CUDA, one more host wait per round.
+    mine[0].fill_(counts.local_count)
     if weighted:
         mine[1:3] = counts.weights  # a device copy: no host sync for token weights
-    if counts.paces:
-        mine[first:] = torch.tensor(counts.paces, dtype=torch.float64)
+    for i, pace in enumerate(counts.paces):
+        mine[first + i].fill_(pace)
     comm.all_reduce(rows)
     values = rows.tolist()
     counts.rank_counts = [int(r[0]) for r in values]
