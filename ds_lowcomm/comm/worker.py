@@ -6,8 +6,10 @@ the round's ``run()`` is over; ``poll``/``wait`` ask it (and order CUDA streams)
 executes rounds in submission order, so every rank issues the same collectives in the same order
 whatever its own timing. On CUDA the thread works on a side stream that first waits for an event
 recorded on the training stream at submit time (the round's inputs are ready), and records a done
-event once the round is enqueued. The host never waits for the GPU here: the ticket resolves when
-the round has been *enqueued* (``run()`` returned on the host), :meth:`CommWorker.poll` asks the
+event once the round is enqueued. The worker itself never makes the host wait for the GPU: the
+ticket resolves when the round has been *enqueued* (``run()`` returned on the host; a round that
+reads a device value in ``run()``, a global norm's verdict, resolves only once the GPU has got
+that far, and a :meth:`CommWorker.wait` for it waits that long too), :meth:`CommWorker.poll` asks the
 done event whether the GPU has finished it, and :meth:`CommWorker.wait` makes the training stream
 wait on the event (kernels queued after it run after the round; the host goes on queueing).
 Buffers are allocated once by the mode and reused, so no ``record_stream`` is needed. On CPU the
@@ -86,8 +88,9 @@ class CommWorker:
         return ticket.done_event is None or ticket.done_event.query()
 
     def wait(self, ticket: Ticket) -> None:
-        """Block until the round has run (on CUDA: been enqueued on the side stream), then order
-        the training stream after it. The host never waits for the GPU here."""
+        """Block until the round has run (on CUDA: been enqueued on the side stream, which for a
+        round that reads a device value in ``run()`` means the GPU has reached that read), then
+        order the training stream after it. No host read of the device of its own."""
         if not ticket.done():
             t0 = time.perf_counter()
             concurrent_wait([ticket])

@@ -296,8 +296,9 @@ def step_now(ctx: ModeContext, rnd: StepRound,
              after_install: Optional[Callable[[StepRound], None]] = None) -> None:
     """An optimizer step taken with its round at the boundary: pack it, run it (on the training
     thread, all of its time exposed: counted as waited for; or, where the mode has a comm worker,
-    zero1 with overlap, on its thread, after the buckets queued before it, waiting for it without
-    a host read of the device on the training thread), install it, clear the gradient sums,
+    zero1 with overlap, on its thread, after the buckets queued before it: no host read of the
+    device on the training thread, though waiting for the round waits until the GPU has reached
+    the round's norm verdict), install it, clear the gradient sums,
     ``after_install(rnd)`` if given, and count the step. Communication: the round's own."""
     rnd.pack()
     if ctx.worker is not None:
