@@ -34,3 +34,36 @@ def test_gpu_check_dry_run(tmp_path):
     assert mb[0] > mb[1], mb  # the slowed rank 1 computes fewer
     assert all(call3[m]["tokens_per_s"] > 0 for m in ("acco", "desloc-int2"))
     assert call3["newton_schulz"]["one_at_a_time_ms"] > 0 and call3["newton_schulz"]["batched_ms"] > 0
+
+
+def test_sync_inventory_counts_whole_device_synchronizes():
+    """``torch.cuda.set_sync_debug_mode`` does not warn on ``torch.cuda.synchronize``, so the
+    inventory wraps it while counting: a call is counted under its caller, one outside the
+    window is not, and the original is back after :meth:`stop`. The CUDA module is a recording
+    fake here (this machine has no GPU); the counting is the tool's own code."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    calls, modes = [], []
+    original = lambda *a: calls.append(a)  # noqa: E731
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=original, set_sync_debug_mode=modes.append))
+    inventory = gpu_check.SyncInventory()
+
+    def timer_like():  # the caller the count names
+        fake.cuda.synchronize(0)
+
+    timer_like()
+    inventory.start(fake)
+    timer_like()
+    timer_like()
+    inventory.stop(fake)
+    timer_like()
+    import warnings
+
+    shown = warnings.showwarning
+    assert fake.cuda.synchronize is original and len(calls) == 4 and modes == ["warn", "default"]
+    assert shown != inventory.showwarning  # (bound methods compare by function and instance)
+    ((key, n),) = inventory.counts.items()
+    assert n == 2 and key.startswith("synchronize@tests/test_gpu_check.py:") and "[MainThread]" in key, key

@@ -100,22 +100,53 @@ def config(mode: str, dtype: str, steps: int, mbs: int, gas: int, lowcomm: dict 
 class SyncInventory:
     """Host syncs by (file:line, thread) while ``torch.cuda.set_sync_debug_mode("warn")`` is on:
     each synchronizing CUDA call warns; the innermost frame of ours (ds_lowcomm, examples) or,
-    failing that, the caller's is counted."""
+    failing that, the caller's is counted. ``torch.cuda.synchronize`` (a whole device, every
+    stream) does not warn in that mode, so :meth:`start` wraps it to count it too, as
+    ``synchronize@`` its caller (DeepSpeed's throughput timer makes one unless told not to)."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter = collections.Counter()
         self.lock = threading.Lock()
+        self._synchronize = None
 
-    def showwarning(self, message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
-            return
-        frames = traceback.extract_stack()[:-1]
+    def _count(self, prefix: str = "") -> None:
+        frames = traceback.extract_stack()[:-2]
         ours = [f for f in frames if "ds_lowcomm" in f.filename or "examples" in f.filename]
-        where = ours[-1] if ours else frames[-1]
-        key = f"{os.path.relpath(where.filename, ROOT) if str(ROOT) in where.filename else where.filename}:" \
-              f"{where.lineno} [{threading.current_thread().name}]"
+        if prefix:  # the caller of the accelerator's synchronize (DeepSpeed's timer, say)
+            where = next(f for f in reversed(frames) if "/accelerator/" not in f.filename)
+        else:
+            where = ours[-1] if ours else frames[-1]
+        name = os.path.relpath(where.filename, ROOT) if str(ROOT) in where.filename else where.filename
+        key = f"{prefix}{name}:{where.lineno} [{threading.current_thread().name}]"
         with self.lock:
             self.counts[key] += 1
+
+    def showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            self._count()
+
+    def start(self, torch) -> None:
+        """Count from now: the debug mode's warnings and every ``torch.cuda.synchronize``."""
+        import warnings
+
+        self._showwarning, warnings.showwarning = warnings.showwarning, self.showwarning
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        real = self._synchronize = torch.cuda.synchronize
+
+        def synchronize(*a, **k):
+            self._count("synchronize@")
+            return real(*a, **k)
+        torch.cuda.synchronize = synchronize
+
+    def stop(self, torch) -> None:
+        """Stop counting: the debug mode, ``showwarning`` and ``torch.cuda.synchronize`` as they were."""
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._showwarning
+        if self._synchronize is not None:
+            torch.cuda.synchronize, self._synchronize = self._synchronize, None
 
 
 def rank_main(argv) -> None:
@@ -160,10 +191,7 @@ def rank_main(argv) -> None:
             if engine.global_steps != seen[0]:  # an optimizer step ended
                 seen[0] = done = engine.global_steps
                 if inventory and phase[0] == "before" and done >= start_at:
-                    import warnings
-                    warnings.showwarning = inventory.showwarning
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
+                    inventory.start(torch)
                 if args.profile and phase[0] == "before" and done >= start_at:
                     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                   torch.profiler.ProfilerActivity.CUDA])
@@ -173,7 +201,7 @@ def rank_main(argv) -> None:
                 elif phase[0] == "on" and done >= start_at + counted:
                     phase[0] = "after"
                     if inventory:
-                        torch.cuda.set_sync_debug_mode("default")
+                        inventory.stop(torch)
                     if profiler is not None:
                         torch.cuda.synchronize()
                         profiler.__exit__(None, None, None)
