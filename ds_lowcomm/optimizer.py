@@ -346,8 +346,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         """Called by the engine after every micro-batch's backward pass, or in its place for one
         run forward only (``computed`` False); ``weight``: 1, or its label tokens (a 0-d tensor)
         when the loop normalises the loss by ``num_items_in_batch``. Communication: the mode's
-        (:meth:`Mode.on_micro_batch_end`: at a boundary, zero1 ``overlap`` launches its last
-        gradient buckets' reduce-scatters and acco installs one round and launches the next), and
+        (:meth:`Mode.on_micro_batch_end`: at a boundary zero1 ``overlap`` launches its last
+        gradient buckets' reduce-scatters; acco, at each switch (its quota of micro-batches since the
+        last, or a step the loop cut short), installs one round and launches the next), and
         at the end of the first micro-batch under "mode": "automatic" the probes that choose the
         mode (:mod:`ds_lowcomm.auto`)."""
         if self.mode is None:

@@ -155,6 +155,8 @@ BAD = [
     (_set(("communication_data_type",), "fp16"), "communication_data_type", "allowed"),
     (_set(("amp",), {"enabled": True}), "amp.enabled", "bf16"),
     (_set(("torch_autocast",), {"enabled": True, "dtype": "float16"}), "torch_autocast.dtype", "\"fp16\": {"),
+    (_set(("torch_autocast",), {"enabled": True, "dtype": "torch.float16"}), "torch_autocast.dtype", "\"fp16\": {"),
+    (_set(("torch_autocast",), {"enabled": True}), "torch_autocast.dtype", "\"dtype\": \"bfloat16\""),
     (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
     (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
     (_set(("hybrid_engine",), {"enabled": True}), "hybrid_engine.enabled", "not supported"),

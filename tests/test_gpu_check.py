@@ -36,14 +36,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert call3["newton_schulz"]["one_at_a_time_ms"] > 0 and call3["newton_schulz"]["batched_ms"] > 0
 
 
-def test_sync_inventory_counts_whole_device_synchronizes():
+def test_sync_inventory_counts_whole_device_synchronizes(monkeypatch):
     """``torch.cuda.set_sync_debug_mode`` does not warn on ``torch.cuda.synchronize``, so the
     inventory wraps it while counting: a call is counted under its caller, one outside the
     window is not, and the original is back after :meth:`stop`. The CUDA module is a recording
     fake here (this machine has no GPU); the counting is the tool's own code."""
     import types
 
-    sys.path.insert(0, str(ROOT / "tools"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import gpu_check
 
     calls, modes = [], []

@@ -113,7 +113,7 @@ class SyncInventory:
         frames = traceback.extract_stack()[:-2]
         ours = [f for f in frames if "ds_lowcomm" in f.filename or "examples" in f.filename]
         if prefix:  # the caller of the accelerator's synchronize (DeepSpeed's timer, say)
-            where = next(f for f in reversed(frames) if "/accelerator/" not in f.filename)
+            where = next((f for f in reversed(frames) if "deepspeed/accelerator/" not in f.filename), frames[-1])
         else:
             where = ours[-1] if ours else frames[-1]
         name = os.path.relpath(where.filename, ROOT) if str(ROOT) in where.filename else where.filename

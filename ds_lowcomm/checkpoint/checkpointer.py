@@ -252,8 +252,9 @@ class Checkpointer:
         :class:`CheckpointError` naming the file on every rank when any rank's files are bad.
         Background saves of this process are waited for first (one that failed left ``latest``
         on the previous checkpoint, which is what loads). Communication: up to four verdicts,
-        each an all-gather of a few bytes per rank (the tag, the metadata, the optimizer's check,
-        the files); each rank reads only its own files."""
+        each an ``all_gather_object`` of a few bytes per rank (the tag, the metadata, the
+        optimizer's check, the files); each rank reads the saved files that cover its own shard
+        (its own file when the layout is unchanged), none of another's state over the network."""
         wait_for_saves()
         tag = _agreed(functools.partial(self._find_tag, load_dir, tag))
         tag_dir = os.path.join(load_dir, tag)

@@ -571,9 +571,9 @@ class Desloc(Mode):
         self.syncs.settle()
 
     def flush(self) -> None:
-        """Before the final export: apply a streamed sync still in flight now (its round may never
-        come) and gather the master into the model (an all-gather inside the shard group,
-        (S−1)/S · P · 4 bytes sent per rank).
+        """Before the final export: where a streamed sync is in flight, apply it now (its round
+        may never come) and gather the master into the model (an all-gather inside the shard
+        group, (S−1)/S · P · 4 bytes sent per rank); otherwise nothing.
         Checkpoints keep it in flight instead (:meth:`state`)."""
         if self.syncs.ticket is not None:
             self.syncs.finish_param_sync(self.adamw, self.ctx.param_groups)

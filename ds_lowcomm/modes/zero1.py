@@ -91,8 +91,9 @@ class Zero1(Mode):
             self.buckets.finish()
 
     def step(self) -> None:
-        """One ZeRO-1 round on the training thread: the table above (with overlap, the
-        reduce-scatter already launched and the all-gather left to the next forward)."""
+        """One ZeRO-1 round, the table above: on the training thread, or with overlap on the
+        comm worker (waited for), its reduce-scatter already launched during the backward and
+        its all-gather left to the next forward."""
         ctx = self.ctx
         reduced = None if self.buckets is None else self.buckets.take()  # waits for every bucket
         pacer = ctx.pacer if ctx.pacer is not None and ctx.pacer.active else None

@@ -57,8 +57,8 @@ class BucketRound(Round):
         """Nothing to capture: the range's sums are final and nobody writes them before the step."""
 
     def run(self) -> None:
-        """On the comm worker: the bucket's reduce-scatter, (W−1)/W · (end − start) · wire bytes
-        sent per rank."""
+        """On the comm worker: the bucket's reduce-scatter (each rank sends the part of the
+        range outside its own shard, in the wire dtype; over all buckets (W−1)/W · P)."""
         sums, layout = self.ctx.grads.buffer, self.ctx.flat.layout
         if self.buckets.own_finite is not None:
             # Reduced in place (2-byte sums): first note whether this rank's own part of the
@@ -179,8 +179,8 @@ class GatherRound(Round):
         """Nothing to capture: ``shard`` is the step's result, written before this round runs."""
 
     def run(self) -> None:
-        """On the comm worker: the bucket's all-gather, (W−1)/W · (end − start) · param bytes sent
-        per rank."""
+        """On the comm worker: the bucket's all-gather (each rank sends its own part of the
+        range to the W − 1 others; over all buckets (W−1)/W · P · param bytes)."""
         self.ctx.topology.shard.all_gather_range(self.ctx.flat.buffer, self.shard, self.start, self.end)
 
     def install(self) -> None:
