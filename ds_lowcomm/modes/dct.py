@@ -104,6 +104,8 @@ class DctTopK:
 
     @cached_property
     def tiles(self) -> int:
+        """How many ``chunk`` × ``chunk`` tiles cover the shard: the matrices' padded rows and
+        columns, then the rest flat."""
         c2 = self.chunk * self.chunk
         in_matrices = sum(R * C for R, C in (self._padded(r, c) for _, r, c in self.matrices))
         rest = sum(b - a for a, b in self._rest)
@@ -111,6 +113,7 @@ class DctTopK:
 
     @property
     def index_dtype(self) -> torch.dtype:
+        """An index within a tile: 1 byte up to 256 coefficients, else 2."""
         return torch.uint8 if self.chunk * self.chunk <= 256 else torch.int16
 
     @property

@@ -35,15 +35,19 @@ class ShardLayout:
 
     @property
     def padded(self) -> int:
+        """``numel`` rounded up to a multiple of ``world`` · ALIGN: every shard the same size and
+        aligned."""
         unit = self.world * ALIGN
         return -(-self.numel // unit) * unit
 
     @property
     def shard_size(self) -> int:
+        """Elements per shard (padding included)."""
         return self.padded // self.world
 
     @property
     def shard_start(self) -> int:
+        """Where this rank's shard begins in the padded flat buffer."""
         return self.rank * self.shard_size
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
@@ -110,6 +114,7 @@ class FlatParams:
         return flat.narrow(0, self.offsets[id(p)], p.numel()).view_as(p)
 
     def unpadded(self, flat: torch.Tensor) -> torch.Tensor:
+        """The real elements of a padded flat tensor (a view, padding dropped)."""
         return flat[: self.layout.numel]
 
     def matrix_rows_in_shard(self) -> List[Tuple[int, int, int]]:
@@ -183,6 +188,7 @@ class GradAccumulator:
             self.on_final(p)
 
     def zero_(self) -> None:
+        """Clear the sums, the micro-batch count and the weights (after a step took them)."""
         self.buffer.zero_()
         self.micro_batches = 0
         self.weights.zero_()

@@ -76,6 +76,7 @@ class Matrix:
 
     @property
     def end(self) -> int:
+        """One past the matrix's last element in the flat buffer."""
         return self.start + self.rows * self.cols
 
 
@@ -207,6 +208,7 @@ class ShardMuon(ShardAdamW):
         g.lerp_(self.exp_avg[a:b], MUON_MOMENTUM)
 
     def estimate(self, *args, **kwargs) -> None:
+        """Refused: acco's estimate step is AdamW's, and Muon runs only as desloc's local step."""
         raise NotImplementedError("ACCO's estimate is AdamW's; Muon is desloc's inner step only")
 
 
