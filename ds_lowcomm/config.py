@@ -228,12 +228,13 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         raise LowCommConfigError("fp16.fp16_master_weights_and_grads: ds_lowcomm keeps fp32 master "
                                  "weights; remove the key")
     autocast = ds.get("torch_autocast")
-    if _enabled(autocast) and autocast.get("dtype") is None:
+    dtype = str(autocast.get("dtype")).lower() if _enabled(autocast) else "off"
+    if dtype == "none":
         raise LowCommConfigError("torch_autocast.dtype: missing; autocast would take the device's default "
                                  "(float16 on CUDA, with no loss scaling): set \"dtype\": \"bfloat16\"")
-    if _enabled(autocast) and str(autocast["dtype"]).lower() in ("fp16", "float16", "half", "torch.float16"):
-        # DeepSpeed (0.19.8) wraps a stage-0 engine's optimizer step in torch's GradScaler then,
-        # whose unscale and inf check bypass the sharded step's own loss scaling and skip rule.
+    if dtype in ("fp16", "float16", "half", "torch.float16"):  # DeepSpeed's DtypeEnum names (0.19.8)
+        # DeepSpeed wraps a stage-0 engine's optimizer step in torch's GradScaler then, whose
+        # unscale and inf check bypass the sharded step's own loss scaling and skip rule.
         raise LowCommConfigError("torch_autocast.dtype: float16 autocast is not supported; for fp16 with loss "
                                  "scaling use \"fp16\": {\"enabled\": true}, or set torch_autocast's dtype to "
                                  "\"bfloat16\"")

@@ -226,15 +226,15 @@ def test_bad_config_is_one_line_error(tmp_path):
     ("train", ["--log-every", "0"], "argument --log-every: got 0; must be >= 1"),
     ("train", ["--eval-iters", "0"], "argument --eval-iters: got 0; must be >= 1"),
     ("train", ["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
-    ("train", ["--max-steps", "ten"], "argument --max-steps: 'ten': expected an integer"),
+    ("train", ["--max-steps", "ten"], "argument --max-steps: 'ten': expected an integer, e.g. 1"),
     ("train", ["--val-fraction", "0"], "argument --val-fraction: got 0; must be between 0 and 1 (exclusive)"),
     ("train", ["--save-every", "-1"], "argument --save-every: got -1; must be >= 0"),
     ("train", ["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
     ("train", ["--dropout", "1"], "--dropout: got 1; must be in [0, 1)"),
     ("finetune_hf", ["--gas", "0"], "argument --gas: got 0; must be >= 1"),
     ("finetune_hf", ["--max-steps", "0"], "argument --max-steps: got 0; must be >= 1"),
-    ("finetune_hf", ["--lr", "-1"], "argument --lr: got -1.0; must be >= 0.0"),
-    ("finetune_hf", ["--micro-batch", "two"], "argument --micro-batch: 'two': expected an integer"),
+    ("finetune_hf", ["--lr", "-1"], "argument --lr: got -1; must be >= 0"),
+    ("finetune_hf", ["--micro-batch", "two"], "argument --micro-batch: 'two': expected an integer, e.g. 1"),
     ("finetune_hf", ["--slow-ranks", "1:0.5"], "argument --slow-ranks: '1:0.5': FACTOR must be >= 1"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, script, argv, message):

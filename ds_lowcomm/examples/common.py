@@ -24,26 +24,32 @@ def parse_slow_ranks(text: str) -> dict:
     return out
 
 
-def _number(text: str, example: str, allowed, says: str) -> float:
-    """``text`` as a float for which ``allowed(value)`` holds, else an argparse error that gives
-    ``example`` (unparseable) or ``says`` (out of range)."""
+def _number(text: str, kind, allowed, says: str, example):
+    """``text`` as ``kind`` (int or float) for which ``allowed(value)`` holds (NaN never does),
+    else an argparse error that gives ``example`` (unparseable) or ``says`` (out of range)."""
     try:
-        value = float(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number, e.g. {example}") from None
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {what}, e.g. {example}") from None
     if not allowed(value):
         raise argparse.ArgumentTypeError(f"got {value:g}; must be {says}")
     return value
 
 
+def at_least(kind, lo):
+    """argparse type: an int (``kind`` int) or a float at least ``lo``."""
+    return lambda text: _number(text, kind, lambda v: v >= lo, f">= {lo:g}", lo)
+
+
 def dropout(text: str) -> float:
     """argparse type: a dropout probability, at least 0 and below 1."""
-    return _number(text, "0.2", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    return _number(text, float, lambda v: 0.0 <= v < 1.0, "in [0, 1)", 0.2)
 
 
 def fraction(text: str) -> float:
     """argparse type: a number strictly between 0 and 1."""
-    return _number(text, "0.05", lambda v: 0.0 < v < 1.0, "between 0 and 1 (exclusive)")
+    return _number(text, float, lambda v: 0.0 < v < 1.0, "between 0 and 1 (exclusive)", 0.05)
 
 
 def slow_factor(slow_ranks: dict, rank: int, world: int) -> float:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from common import dropout, fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
+from common import at_least, dropout, fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -175,19 +175,6 @@ class ValidationLog(transformers.TrainerCallback):
             self.records.close()
 
 
-def number(kind, lo):
-    """argparse type: an int or float >= ``lo``."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected {'an integer' if kind is int else 'a number'}") from None
-        if not value >= lo:
-            raise argparse.ArgumentTypeError(f"got {value}; must be >= {lo}")
-        return value
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deepspeed", default=None,
@@ -196,16 +183,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="NAME_OR_PATH of a causal LM; default: small GPT-2 from config")
     ap.add_argument("--data", default=None, help=".jsonl instructions/documents or a text file")
     ap.add_argument("--output-dir", default="runs/finetune_hf")
-    ap.add_argument("--max-steps", type=number(int, 1), default=60, help="optimizer steps (warmup: a tenth, then cosine)")
-    ap.add_argument("--micro-batch", type=number(int, 1), default=8, help="sequences per rank and micro-batch")
-    ap.add_argument("--gas", type=number(int, 1), default=4, help="gradient accumulation steps")
-    ap.add_argument("--block-size", type=number(int, 1), default=128)
-    ap.add_argument("--n-layer", type=number(int, 1), default=4, help="default model: transformer blocks")
-    ap.add_argument("--n-head", type=number(int, 1), default=4, help="default model: attention heads")
-    ap.add_argument("--n-embd", type=number(int, 1), default=128, help="default model: width")
+    ap.add_argument("--max-steps", type=at_least(int, 1), default=60, help="optimizer steps (warmup: a tenth, then cosine)")
+    ap.add_argument("--micro-batch", type=at_least(int, 1), default=8, help="sequences per rank and micro-batch")
+    ap.add_argument("--gas", type=at_least(int, 1), default=4, help="gradient accumulation steps")
+    ap.add_argument("--block-size", type=at_least(int, 1), default=128)
+    ap.add_argument("--n-layer", type=at_least(int, 1), default=4, help="default model: transformer blocks")
+    ap.add_argument("--n-head", type=at_least(int, 1), default=4, help="default model: attention heads")
+    ap.add_argument("--n-embd", type=at_least(int, 1), default=128, help="default model: width")
     ap.add_argument("--dropout", type=dropout, default=None, help="default model: dropout (default GPT-2's 0.1)")
-    ap.add_argument("--lr", type=number(float, 0.0), default=1e-3)
-    ap.add_argument("--save-steps", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)")
+    ap.add_argument("--lr", type=at_least(float, 0.0), default=1e-3)
+    ap.add_argument("--save-steps", type=at_least(int, 0), default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|DIR",
                     help="resume from the newest checkpoint in --output-dir (an error if there is none); "
                          "'--resume auto': from the newest if there is one, else start fresh; '--resume DIR': "
@@ -213,10 +200,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slow-ranks", type=parse_slow_ranks, default={}, metavar="RANK:FACTOR[,...]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--val-fraction", type=fraction, default=0.05, help="tail of the blocks held out")
-    ap.add_argument("--eval-every", type=number(int, 0), default=0,
+    ap.add_argument("--eval-every", type=at_least(int, 0), default=0,
                     help="steps between validations (0: after training only)")
-    ap.add_argument("--eval-iters", type=number(int, 1), default=10, help="micro-batches per rank per validation")
-    ap.add_argument("--log-every", type=number(int, 1), default=None, help="steps between logs (default: a tenth)")
+    ap.add_argument("--eval-iters", type=at_least(int, 1), default=10, help="micro-batches per rank per validation")
+    ap.add_argument("--log-every", type=at_least(int, 1), default=None, help="steps between logs (default: a tenth)")
     ap.add_argument("--log-json", default=None, metavar="FILE",
                     help="rank 0 appends one JSON record per logged step and validation")
     args = ap.parse_args(argv)

@@ -25,7 +25,7 @@ import deepspeed  # noqa: E402
 import hjson  # noqa: E402
 import ds_lowcomm  # noqa: E402  (patches deepspeed.initialize: a "lowcomm" JSON section takes effect)
 from ds_lowcomm.integration.preemption import PreemptionGuard  # noqa: E402
-from common import dropout, fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
+from common import at_least, dropout, fraction, host_group, max_over_ranks, mean_over_ranks, parse_slow_ranks, slow_down, slow_factor
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -92,19 +92,6 @@ def to_device(batch: torch.Tensor, device) -> torch.Tensor:
 
 # -- arguments ------------------------------------------------------------------------------------
 
-def at_least(lo: int):
-    """argparse type: an integer >= ``lo``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"got {value}; must be >= {lo}")
-        return value
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # `--deepspeed PATH` (what users type, as with the HF Trainer) and DeepSpeed's own
@@ -116,19 +103,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=argparse.SUPPRESS)
     ap.add_argument("--data", default=None, help="text file or directory (default: built-in Python docs)")
     ap.add_argument("--tokenizer", choices=["byte", "char"], default="byte")
-    ap.add_argument("--n-layer", type=at_least(1), default=4)
-    ap.add_argument("--n-head", type=at_least(1), default=4)
-    ap.add_argument("--n-embd", type=at_least(1), default=128)
-    ap.add_argument("--block-size", type=at_least(1), default=128)
+    ap.add_argument("--n-layer", type=at_least(int, 1), default=4)
+    ap.add_argument("--n-head", type=at_least(int, 1), default=4)
+    ap.add_argument("--n-embd", type=at_least(int, 1), default=128)
+    ap.add_argument("--block-size", type=at_least(int, 1), default=128)
     ap.add_argument("--dropout", type=dropout, default=0.0)
-    ap.add_argument("--max-steps", type=at_least(1), default=200, help="optimizer steps")
-    ap.add_argument("--eval-every", type=at_least(0), default=50, help="steps between validation runs (0: end only)")
-    ap.add_argument("--eval-iters", type=at_least(1), default=10, help="micro-batches per rank per validation")
+    ap.add_argument("--max-steps", type=at_least(int, 1), default=200, help="optimizer steps")
+    ap.add_argument("--eval-every", type=at_least(int, 0), default=50, help="steps between validation runs (0: end only)")
+    ap.add_argument("--eval-iters", type=at_least(int, 1), default=10, help="micro-batches per rank per validation")
     ap.add_argument("--val-fraction", type=fraction, default=0.1, help="tail of the corpus held out")
-    ap.add_argument("--log-every", type=at_least(1), default=10)
+    ap.add_argument("--log-every", type=at_least(int, 1), default=10)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--save-dir", default=None, help="checkpoint directory")
-    ap.add_argument("--save-every", type=at_least(0), default=0, help="steps between checkpoints (0: end only)")
+    ap.add_argument("--save-every", type=at_least(int, 0), default=0, help="steps between checkpoints (0: end only)")
     ap.add_argument("--resume", nargs="?", const="latest", choices=["latest", "auto"], default=None,
                     help="resume from the latest checkpoint in --save-dir (an error if there is none); "
                          "'--resume auto': resume if there is one, else start fresh (one command line for "

@@ -116,9 +116,9 @@ class DDPEngine:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--powersgd-rank", type=train.at_least(0), default=0,
+    ap.add_argument("--powersgd-rank", type=train.at_least(int, 0), default=0,
                     help="PowerSGD matrix approximation rank (0: plain DDP)")
-    ap.add_argument("--powersgd-warmup", type=train.at_least(2), default=None,
+    ap.add_argument("--powersgd-warmup", type=train.at_least(int, 2), default=None,
                     help="optimizer steps of plain all-reduce before compressing (default: the LR "
                          "warm-up, at least 10%% of --max-steps, as PyTorch's PowerSGD docs advise)")
     ours, rest = ap.parse_known_args(argv)
