@@ -181,9 +181,10 @@ def _unsynchronized_throughput_timer(ds_config: dict) -> None:
         return  # not a JSON object: DeepSpeed's own config check names it
     if throughput.setdefault("synchronized", False) and throughput.get("enabled", True) \
             and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        logging.getLogger("ds_lowcomm").warning("ds_lowcomm: timers.throughput.synchronized is true: DeepSpeed then synchronizes "
-                       "the device at every forward pass and step, which exposes the communication "
-                       "the modes overlap; remove it (ds_lowcomm sets it false) to keep the overlap")
+        logging.getLogger("ds_lowcomm").warning(
+            "ds_lowcomm: timers.throughput.synchronized is true: DeepSpeed then synchronizes the device at "
+            "every forward pass and step, which exposes the communication the modes overlap; remove it "
+            "(ds_lowcomm sets it false) to keep the overlap")
 
 
 #: DeepSpeed (0.19.8) warnings, once per rank while the engine is built, that say nothing to a
