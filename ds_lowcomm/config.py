@@ -238,6 +238,14 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
         raise LowCommConfigError("torch_autocast.dtype: float16 autocast is not supported; for fp16 with loss "
                                  "scaling use \"fp16\": {\"enabled\": true}, or set torch_autocast's dtype to "
                                  "\"bfloat16\"")
+    timers = ds.get("timers", {})
+    for key, value in (("timers", timers), ("timers.throughput",
+                                            timers.get("throughput", {}) if isinstance(timers, Mapping) else {})):
+        # DeepSpeed (0.19.8) ignores a "timers" that is not an object and keeps its throughput
+        # timer synchronizing the device at every forward and step, which ds_lowcomm turns off.
+        if not isinstance(value, Mapping):
+            raise LowCommConfigError(f"{key}: got {value!r}; must be a JSON object, e.g. \"timers\": "
+                                     "{\"throughput\": {\"enabled\": true}}, or remove it")
     if _enabled(ds.get("amp")):
         raise LowCommConfigError("amp.enabled: apex AMP is not supported; use \"bf16\": {\"enabled\": true}")
     zero = ds.get("zero_optimization")

@@ -157,6 +157,8 @@ BAD = [
     (_set(("torch_autocast",), {"enabled": True, "dtype": "float16"}), "torch_autocast.dtype", "\"fp16\": {"),
     (_set(("torch_autocast",), {"enabled": True, "dtype": "torch.float16"}), "torch_autocast.dtype", "\"fp16\": {"),
     (_set(("torch_autocast",), {"enabled": True}), "torch_autocast.dtype", "\"dtype\": \"bfloat16\""),
+    (_set(("timers",), []), "timers", "must be a JSON object"),
+    (_set(("timers",), {"throughput": True}), "timers.throughput", "\"enabled\": true"),
     (_set(("managed_gradient_accumulation",), False), "managed_gradient_accumulation", "not supported"),
     (_set(("tensor_parallel",), {"autotp_size": 2}), "tensor_parallel.autotp_size", "not supported"),
     (_set(("hybrid_engine",), {"enabled": True}), "hybrid_engine.enabled", "not supported"),
