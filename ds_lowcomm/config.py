@@ -239,8 +239,8 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
                                  "scaling use \"fp16\": {\"enabled\": true}, or set torch_autocast's dtype to "
                                  "\"bfloat16\"")
     timers = ds.get("timers", {})
-    for key, value in (("timers", timers), ("timers.throughput",
-                                            timers.get("throughput", {}) if isinstance(timers, Mapping) else {})):
+    throughput = timers.get("throughput", {}) if isinstance(timers, Mapping) else None
+    for key, value in (("timers", timers), ("timers.throughput", throughput)):  # the first refused first
         # DeepSpeed (0.19.8) ignores a "timers" that is not an object and keeps its throughput
         # timer synchronizing the device at every forward and step, which ds_lowcomm turns off.
         if not isinstance(value, Mapping):
