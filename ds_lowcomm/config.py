@@ -240,9 +240,10 @@ def check_deepspeed_config(ds: Mapping[str, Any]) -> None:
                                  "\"bfloat16\"")
     timers = ds.get("timers", {})
     throughput = timers.get("throughput", {}) if isinstance(timers, Mapping) else None
-    for key, value in (("timers", timers), ("timers.throughput", throughput)):  # the first refused first
-        # DeepSpeed (0.19.8) ignores a "timers" that is not an object and keeps its throughput
-        # timer synchronizing the device at every forward and step, which ds_lowcomm turns off.
+    for key, value in (("timers", timers), ("timers.throughput", throughput)):  # outer key first
+        # DeepSpeed (0.19.8) ignores a "timers" that is not an object, keeping its throughput
+        # timer that synchronizes the device at every forward and step (which ds_lowcomm turns
+        # off), and fails on such a "throughput" with a TypeError from its config model.
         if not isinstance(value, Mapping):
             raise LowCommConfigError(f"{key}: got {value!r}; must be a JSON object, e.g. \"timers\": "
                                      "{\"throughput\": {\"enabled\": true}}, or remove it")

@@ -175,7 +175,7 @@ def _unsynchronized_throughput_timer(ds_config: dict) -> None:
     collectives the comm worker has in flight (zero1 and demo overlap, desloc's streamed syncs)
     and the host could never run ahead. It times on the host clock instead, unless the config
     says otherwise; a config that asks for the synchronization keeps it, with a warning."""
-    throughput = ds_config.setdefault("timers", {}).setdefault("throughput", {})  # objects: checked by parse
+    throughput = ds_config.setdefault("timers", {}).setdefault("throughput", {})  # objects: parse refused others
     if throughput.setdefault("synchronized", False) and throughput.get("enabled", True) \
             and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         logging.getLogger("ds_lowcomm").warning(
