@@ -35,12 +35,14 @@ def torchrun(*args, launcher=None):
 
 
 def test_train_save_resume_and_report(tmp_path):
+    """Six steps straight, against three, a save and three more (dropout on: its masks must be the
+    same after the restart, which no checkpoint keeps)."""
     data = tmp_path / "corpus"
     data.mkdir()
     (data / "a.txt").write_bytes(workers.corpus()[:200_000])
     ckpt = str(tmp_path / "ckpt")
     straight, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6",
-                             "--eval-every", "3", "--data", str(data))
+                             "--eval-every", "3", "--data", str(data), "--dropout", "0.2")
     for key in ("final_train_loss", "val_loss", "tokens", "steps", "tokens_per_s",
                 "bytes_sent_per_rank_per_step", "mode"):
         assert key in straight
@@ -52,10 +54,10 @@ def test_train_save_resume_and_report(tmp_path):
 
     # One command line for the first start and the restart: --resume auto.
     _, first = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "3", "--data", str(data),
-                        "--save-dir", ckpt, "--resume", "auto")
+                        "--save-dir", ckpt, "--resume", "auto", "--dropout", "0.2")
     assert f"--resume auto: no checkpoint in {ckpt} yet; starting fresh" in first
     resumed, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6", "--data", str(data),
-                            "--save-dir", ckpt, "--resume", "auto")
+                            "--save-dir", ckpt, "--resume", "auto", "--dropout", "0.2")
     assert "resumed from" in log
     assert resumed["final_train_loss"] == straight["final_train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]

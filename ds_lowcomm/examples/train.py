@@ -73,10 +73,15 @@ class Tokenizer:
         return torch.tensor([self.index[c] for c in text], dtype=torch.long)
 
 
+def micro_batch_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """The seed of one micro-batch's randomness: its windows and its dropout masks."""
+    return ((seed * 1_000_003 + step) * 1009 + micro) * 4099 + rank
+
+
 def sample_batch(tokens: torch.Tensor, seed: int, step: int, micro: int, rank: int, mbs: int,
                  block: int) -> torch.Tensor:
     """Random windows; a pure function of (seed, step, micro-batch, rank) so resume is exact."""
-    g = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + micro) * 4099 + rank)
+    g = torch.Generator().manual_seed(micro_batch_seed(seed, step, micro, rank))
     starts = torch.randint(0, len(tokens) - block - 1, (mbs,), generator=g)
     return torch.stack([tokens[s: s + block + 1] for s in starts.tolist()])
 
@@ -316,6 +321,10 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         total, k = torch.zeros((), dtype=torch.float64, device=engine.device), 0
         while engine.global_steps == step:
             xy = to_device(sample_batch(train_tokens, args.seed, step, k, rank, mbs, args.block_size), engine.device)
+            # Dropout draws from torch's global generator, which no checkpoint keeps (DeepSpeed
+            # 0.19.8 saves no RNG state): seeded per micro-batch, its masks are a function of the
+            # step like the data, and a resumed run draws the ones the uninterrupted run drew.
+            torch.manual_seed(micro_batch_seed(args.seed, step, k, rank))
             loss = engine(xy[:, :-1], labels=xy[:, :-1]).loss
             engine.backward(loss)
             engine.step()
