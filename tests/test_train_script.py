@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import workers
 from dist import run_ranks
@@ -35,14 +36,16 @@ def torchrun(*args, launcher=None):
 
 
 def test_train_save_resume_and_report(tmp_path):
-    """Six steps straight, against three, a save and three more (dropout on: its masks must be the
-    same after the restart, which no checkpoint keeps)."""
+    """Six steps straight, against four, a save and two more (dropout on: its masks must be the
+    same after the restart, which no checkpoint keeps). The restarted run's --log-json goes on from
+    the first process's clock and tokens."""
     data = tmp_path / "corpus"
     data.mkdir()
     (data / "a.txt").write_bytes(workers.corpus()[:200_000])
     ckpt = str(tmp_path / "ckpt")
     straight, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6",
-                             "--eval-every", "3", "--data", str(data), "--dropout", "0.2")
+                             "--eval-every", "3", "--data", str(data), "--dropout", "0.2",
+                             "--log-json", str(tmp_path / "straight.jsonl"))
     for key in ("final_train_loss", "val_loss", "tokens", "steps", "tokens_per_s",
                 "bytes_sent_per_rank_per_step", "mode"):
         assert key in straight
@@ -53,14 +56,29 @@ def test_train_save_resume_and_report(tmp_path):
     assert "before it has started" not in log  # DeepSpeed's per-rank scheduler warning, silenced
 
     # One command line for the first start and the restart: --resume auto.
-    _, first = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "3", "--data", str(data),
-                        "--save-dir", ckpt, "--resume", "auto", "--dropout", "0.2")
+    _, first = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "4", "--data", str(data),
+                        "--save-dir", ckpt, "--resume", "auto", "--dropout", "0.2",
+                        "--log-json", str(tmp_path / "resumed.jsonl"))
     assert f"--resume auto: no checkpoint in {ckpt} yet; starting fresh" in first
     resumed, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6", "--data", str(data),
-                            "--save-dir", ckpt, "--resume", "auto", "--dropout", "0.2")
+                            "--save-dir", ckpt, "--resume", "auto", "--dropout", "0.2",
+                            "--log-json", str(tmp_path / "resumed.jsonl"))
     assert "resumed from" in log
     assert resumed["final_train_loss"] == straight["final_train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
+    records = {name: [json.loads(l) for l in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+               for name in ("straight", "resumed")}
+    # the first process logs steps 2 and 4 and validates at 4; the second logs 6 and validates
+    assert [r["step"] for r in records["resumed"]] == [2, 4, 4, 6, 6], records["resumed"]
+    train = {name: {r["step"]: r for r in rs if "loss" in r} for name, rs in records.items()}
+    for step in (2, 4, 6):
+        assert train["resumed"][step]["loss"] == train["straight"][step]["loss"]
+        assert train["resumed"][step]["tokens"] == train["straight"][step]["tokens"] == step * 8 * 4 * 2 * 32
+    # The clock goes on from the checkpoint's, which is the first process's at its save: two steps
+    # of the second process alone would come out below four of the first, warm-ups alike.
+    saved = torch.load(next(Path(ckpt).glob("global_step4/mp_rank_00_model_states.pt")), weights_only=False)
+    clock = [r["train_s"] for r in records["resumed"]]
+    assert saved["train_s"] == clock[1] == clock[2] and clock == sorted(clock) and clock[3] > clock[2], clock
 
 
 def test_a_damaged_checkpoint_ends_every_rank_cleanly(tmp_path):

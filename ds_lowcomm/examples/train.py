@@ -285,7 +285,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     save_on_preemption = getattr(getattr(engine, "lowcomm_config", None), "save_on_preemption", True)
     guard = PreemptionGuard(host) if hasattr(engine, "save_checkpoint") and save_on_preemption else None
 
-    start = engine.global_steps
+    start, clock_before = engine.global_steps, 0.0  # clock_before: training seconds of earlier processes
     if args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest")):
         say(f"--resume auto: no checkpoint in {args.save_dir} yet; starting fresh", flush=True)
     elif args.resume:
@@ -295,7 +295,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
             stop(engine, f"error: --resume: {err}")
         if client is None:  # stock DeepSpeed only warns when there is no checkpoint
             stop(engine, f"error: --resume: no checkpoint found in {args.save_dir}")
-        start = engine.global_steps
+        start, clock_before = engine.global_steps, client.get("train_s", 0.0)
         if start >= args.max_steps:
             stop(engine, f"error: --resume: the checkpoint in {args.save_dir} is at step {start}, not before "
                          f"--max-steps {args.max_steps}; raise --max-steps to train further")
@@ -309,6 +309,15 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     losses, train_time, micro_batches = [], 0.0, 0
     # line-buffered: each record is flushed when written (follow a long run; a killed run keeps its log)
     records = open(args.log_json, "a", buffering=1) if (args.log_json and rank == 0) else None
+
+    def record(**fields):
+        """One --log-json record. Its clock and tokens count the whole run, a resumed one included,
+        so that its curve goes on where the last process's stopped."""
+        if records:
+            records.write(json.dumps({"step": engine.global_steps, "train_s": clock_before + train_time, **fields,
+                                      "tokens": start * tokens_per_step + micro_batches * mbs * args.block_size
+                                      * world}) + "\n")
+
     link_start = read_link_bytes() if args.link_counter else None
     step = engine.global_steps
     while step < args.max_steps:
@@ -347,22 +356,18 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
                 f"lr {engine.get_lr()[0]:.2e} | {tps:,.0f} tok/s{extra}", flush=True)
             if slow != 1.0 and per_round:
                 print(f"  rank {rank} (slowed {slow:g}x): {per_round:.2f} micro-batches/round", flush=True)
-            if records:
-                records.write(json.dumps({"step": done, "train_s": train_time, "loss": float(losses[-1]),
-                                          "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
+            record(loss=float(losses[-1]))
         if args.eval_every and done % args.eval_every == 0 and done != args.max_steps:
             vl = evaluate(engine, val_tokens, args, rank, mbs, done, host)  # not on the training clock
             say(f"step {done}: val loss {vl:.4f}", flush=True)
-            if records:
-                records.write(json.dumps({"step": done, "train_s": train_time, "val_loss": vl,
-                                          "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
+            record(val_loss=vl)
         saved = args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps)
         if saved:
-            engine.save_checkpoint(args.save_dir, client_state={"step": done})
+            engine.save_checkpoint(args.save_dir, client_state={"step": done, "train_s": clock_before + train_time})
             say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
         if guard is not None and guard.poll() and done != args.max_steps:
             if args.save_dir and not saved:
-                engine.save_checkpoint(args.save_dir, client_state={"step": done})
+                engine.save_checkpoint(args.save_dir, client_state={"step": done, "train_s": clock_before + train_time})
             where = f"saved step {done} to {args.save_dir}" if args.save_dir else "no --save-dir: nothing saved"
             guard.close()
             stop(engine, f"{guard.name}: stopped after step {done}; {where}; exit code {guard.exit_code} "
@@ -374,9 +379,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     if hasattr(engine, "comm_stats"):  # ds_lowcomm: install the update still in flight (acco, demo overlap)
         engine.optimizer.flush()
     val_loss = evaluate(engine, val_tokens, args, rank, mbs, args.max_steps, host)
-    if records:
-        records.write(json.dumps({"step": args.max_steps, "train_s": train_time, "val_loss": val_loss,
-                                  "tokens": micro_batches * mbs * args.block_size * world}) + "\n")
+    record(val_loss=val_loss)
     sent, received, wait = meter.per_step()
     steps_run = args.max_steps - start
     # Tokens actually trained on, all ranks: under acco a rank may compute more or fewer
