@@ -38,11 +38,12 @@ def torchrun(*args, launcher=None):
 def test_train_save_resume_and_report(tmp_path):
     """Six steps straight, against four, a save and two more (dropout on: its masks must be the
     same after the restart, which no checkpoint keeps). The restarted run's --log-json goes on from
-    the first process's clock and tokens."""
+    the clock and tokens the checkpoint keeps."""
     data = tmp_path / "corpus"
     data.mkdir()
     (data / "a.txt").write_bytes(workers.corpus()[:200_000])
     ckpt = str(tmp_path / "ckpt")
+    per_step = 8 * 4 * 2 * 32  # tokens: micro-batch x accumulation (zero1.json) x ranks x block
     straight, log = torchrun("--deepspeed", "ds_configs/zero1.json", "--max-steps", "6",
                              "--eval-every", "3", "--data", str(data), "--dropout", "0.2",
                              "--log-json", str(tmp_path / "straight.jsonl"))
@@ -50,7 +51,7 @@ def test_train_save_resume_and_report(tmp_path):
                 "bytes_sent_per_rank_per_step", "mode"):
         assert key in straight
     assert straight["mode"] == "zero1" and straight["steps"] == 6
-    assert straight["tokens"] == 6 * 8 * 4 * 2 * 32
+    assert straight["tokens"] == 6 * per_step
     assert straight["bytes_sent_per_rank_per_step"] > 0
     assert "step 4/6 | loss" in log and "tok/s" in log and "MB/step" in log and "val loss" in log
     assert "before it has started" not in log  # DeepSpeed's per-rank scheduler warning, silenced
@@ -73,12 +74,15 @@ def test_train_save_resume_and_report(tmp_path):
     train = {name: {r["step"]: r for r in rs if "loss" in r} for name, rs in records.items()}
     for step in (2, 4, 6):
         assert train["resumed"][step]["loss"] == train["straight"][step]["loss"]
-        assert train["resumed"][step]["tokens"] == train["straight"][step]["tokens"] == step * 8 * 4 * 2 * 32
-    # The clock goes on from the checkpoint's, which is the first process's at its save: two steps
-    # of the second process alone would come out below four of the first, warm-ups alike.
-    saved = torch.load(next(Path(ckpt).glob("global_step4/mp_rank_00_model_states.pt")), weights_only=False)
+        assert train["resumed"][step]["tokens"] == train["straight"][step]["tokens"] == step * per_step
+    # Each checkpoint keeps the run's clock and tokens at its save; the second process's clock goes
+    # on from the first's by its own two steps.
+    saved = {step: torch.load(Path(ckpt) / f"global_step{step}" / "mp_rank_00_model_states.pt", weights_only=True)
+             for step in (4, 6)}
     clock = [r["train_s"] for r in records["resumed"]]
-    assert saved["train_s"] == clock[1] == clock[2] and clock == sorted(clock) and clock[3] > clock[2], clock
+    assert saved[4]["train_s"] == clock[1] == clock[2] and saved[6]["train_s"] == clock[3] == clock[4], clock
+    assert clock[3] - clock[2] == pytest.approx(2 * resumed["step_time_s"]), (clock, resumed["step_time_s"])
+    assert (saved[4]["tokens"], saved[6]["tokens"], resumed["tokens"]) == (4 * per_step, 6 * per_step, 6 * per_step)
 
 
 def test_a_damaged_checkpoint_ends_every_rank_cleanly(tmp_path):

@@ -22,7 +22,8 @@ Validation: the last ``--val-fraction`` of the blocks is held out; every ``--eva
 of it, forward only in eval mode, averaged over the ranks. ``--log-json FILE``: rank 0 writes one
 JSON record per logged step (``step``, ``train_s``, ``tokens``, ``loss``) and per validation
 (``val_loss`` instead of ``loss``), ``train_s`` being the training clock without the validations
-(the records ``examples/train.py --log-json`` writes, which ``python -m ds_lowcomm.bench`` reads).
+(the records ``examples/train.py --log-json`` writes, which ``python -m ds_lowcomm.bench`` reads;
+after ``--resume`` the clock starts again at 0, where train.py's goes on).
 The last stdout line is one JSON object with the results.
 """
 from __future__ import annotations

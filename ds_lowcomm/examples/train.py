@@ -285,7 +285,8 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     save_on_preemption = getattr(getattr(engine, "lowcomm_config", None), "save_on_preemption", True)
     guard = PreemptionGuard(host) if hasattr(engine, "save_checkpoint") and save_on_preemption else None
 
-    start, clock_before = engine.global_steps, 0.0  # clock_before: training seconds of earlier processes
+    # What the run's earlier processes trained (from a resume's checkpoint): seconds and tokens
+    start, before = engine.global_steps, {"train_s": 0.0, "tokens": 0}
     if args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest")):
         say(f"--resume auto: no checkpoint in {args.save_dir} yet; starting fresh", flush=True)
     elif args.resume:
@@ -295,7 +296,9 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
             stop(engine, f"error: --resume: {err}")
         if client is None:  # stock DeepSpeed only warns when there is no checkpoint
             stop(engine, f"error: --resume: no checkpoint found in {args.save_dir}")
-        start, clock_before = engine.global_steps, client.get("train_s", 0.0)
+        start = engine.global_steps
+        # (a checkpoint saved before train.py kept them: no seconds, the steps' tokens at this size)
+        before = {"train_s": client.get("train_s", 0.0), "tokens": client.get("tokens", start * tokens_per_step)}
         if start >= args.max_steps:
             stop(engine, f"error: --resume: the checkpoint in {args.save_dir} is at step {start}, not before "
                          f"--max-steps {args.max_steps}; raise --max-steps to train further")
@@ -310,13 +313,16 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
     # line-buffered: each record is flushed when written (follow a long run; a killed run keeps its log)
     records = open(args.log_json, "a", buffering=1) if (args.log_json and rank == 0) else None
 
+    def run_so_far() -> dict:
+        """The whole run's training seconds and tokens (rank 0's), earlier processes included: a
+        resumed run's records and checkpoints go on from where the last process's stopped."""
+        return {"train_s": before["train_s"] + train_time,
+                "tokens": before["tokens"] + micro_batches * mbs * args.block_size * world}
+
     def record(**fields):
-        """One --log-json record. Its clock and tokens count the whole run, a resumed one included,
-        so that its curve goes on where the last process's stopped."""
+        """One --log-json record (rank 0)."""
         if records:
-            records.write(json.dumps({"step": engine.global_steps, "train_s": clock_before + train_time, **fields,
-                                      "tokens": start * tokens_per_step + micro_batches * mbs * args.block_size
-                                      * world}) + "\n")
+            records.write(json.dumps({"step": engine.global_steps, **fields, **run_so_far()}) + "\n")
 
     link_start = read_link_bytes() if args.link_counter else None
     step = engine.global_steps
@@ -332,8 +338,10 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
             xy = to_device(sample_batch(train_tokens, args.seed, step, k, rank, mbs, args.block_size), engine.device)
             # Dropout draws from torch's global generator, which no checkpoint keeps (DeepSpeed
             # 0.19.8 saves no RNG state): seeded per micro-batch, its masks are a function of the
-            # step like the data, and a resumed run draws the ones the uninterrupted run drew.
-            torch.manual_seed(micro_batch_seed(args.seed, step, k, rank))
+            # step like the data, and a resumed run draws the ones the uninterrupted run drew. Its
+            # seed is not the windows' (seed + 2; validation's windows take seed + 1): the CPU
+            # generator keeps a seed's low 32 bits, so the same seed would replay their numbers.
+            torch.manual_seed(micro_batch_seed(args.seed + 2, step, k, rank))
             loss = engine(xy[:, :-1], labels=xy[:, :-1]).loss
             engine.backward(loss)
             engine.step()
@@ -363,11 +371,11 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
             record(val_loss=vl)
         saved = args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.max_steps)
         if saved:
-            engine.save_checkpoint(args.save_dir, client_state={"step": done, "train_s": clock_before + train_time})
+            engine.save_checkpoint(args.save_dir, client_state={"step": done, **run_so_far()})
             say(f"step {done}: saved checkpoint to {args.save_dir}", flush=True)
         if guard is not None and guard.poll() and done != args.max_steps:
             if args.save_dir and not saved:
-                engine.save_checkpoint(args.save_dir, client_state={"step": done, "train_s": clock_before + train_time})
+                engine.save_checkpoint(args.save_dir, client_state={"step": done, **run_so_far()})
             where = f"saved step {done} to {args.save_dir}" if args.save_dir else "no --save-dir: nothing saved"
             guard.close()
             stop(engine, f"{guard.name}: stopped after step {done}; {where}; exit code {guard.exit_code} "
@@ -390,7 +398,7 @@ def main(argv=None, make_engine=deepspeed_engine, args=None) -> dict:
         "mode": engine.optimizer.mode_name if hasattr(engine, "comm_stats") else mode, "world_size": world,
         "final_train_loss": mean_over_ranks(float(losses[-1]), host) if losses else float("nan"),
         "val_loss": val_loss, "steps": args.max_steps,
-        "tokens": start * tokens_per_step + tokens_run,
+        "tokens": before["tokens"] + tokens_run,
         "tokens_per_s": tokens_run / train_time if train_time else float("nan"),
         "step_time_s": train_time / steps_run if steps_run else float("nan"),
         "bytes_sent_per_rank_per_step": sent, "bytes_received_per_rank_per_step": received,
