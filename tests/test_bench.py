@@ -138,10 +138,37 @@ def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
             (["--modes", "desloc:param_sync_every"], "--modes desloc:param_sync_every: 'param_sync_every': expected "
                                                      "KEY=VALUE"),
             (["--modes", "desloc,desloc"], "an entry is named twice"),
+            (["--modes", "ddp:optimizer.momentum=0.9"], "--modes ddp:optimizer.momentum=0.9: optimizer.momentum is "
+                                                        "not an optimizer setting the bench passes; choose from "
+                                                        "optimizer.lr, optimizer.betas"),
+            (["--regime", "uneven-trainer", "--set", "optimizer.lr=0.003"],
+             "--set optimizer.lr: --regime uneven-trainer's Trainer builds its own optimizer"),
             (["--modes", "deslok:desloc.param_sync_every=4"], "--modes: unknown deslok")]:
         with pytest.raises(SystemExit):
             cli.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_bench_runs_each_mode_at_its_own_learning_rate(tmp_path):
+    """``optimizer.lr`` sets the learning rate in an entry's config, the DDP peer's included (it has
+    no "lowcomm" section; examples/train_ddp.py builds its AdamW from the config), and ``--set
+    optimizer.lr`` in every mode's, under an entry's own: so a bench compares methods each at its
+    best learning rate."""
+    from ds_lowcomm.bench import cli
+    from ds_lowcomm.bench.runs import write_config
+
+    entries = ["ddp", "ddp:optimizer.lr=0.003", "desloc-muon:optimizer.lr=0.004:desloc.param_sync_delay=4"]
+    lrs = lambda args: [json.loads(write_config(e, args, tmp_path, 10).read_text())["optimizer"]["params"]["lr"]  # noqa: E731
+                        for e in entries]
+    assert lrs(cli.parse_args(["--modes", ",".join(entries), "--regime", "slow", "--out", str(tmp_path)])) \
+        == [0.001, 0.003, 0.004]  # the shipped ddp config's 0.001, then each entry's own
+    args = cli.parse_args(["--modes", ",".join(entries), "--regime", "slow", "--set", "optimizer.lr=0.002",
+                           "--set", "optimizer.betas=[0.9,0.99]", "--out", str(tmp_path)])
+    assert lrs(args) == [0.002, 0.003, 0.004]
+    written = json.loads((tmp_path / "configs" / f"{entries[2]}.10.json").read_text())
+    assert written["optimizer"]["params"]["betas"] == [0.9, 0.99]
+    assert written["lowcomm"]["desloc"]["param_sync_delay"] == 4
 
 
 @pytest.mark.unit

@@ -13,7 +13,7 @@ from ds_lowcomm import configs
 from ds_lowcomm.bench.analysis import reload_runs, summarize
 from ds_lowcomm.bench.link import Link, TwoNodeLink
 from ds_lowcomm.bench.report import report, save_results
-from ds_lowcomm.bench.runs import (CONFIGS, LOWCOMM_OPTIONS, MODELS, REGIMES, SYNC_STEPS,
+from ds_lowcomm.bench.runs import (CONFIGS, LOWCOMM_OPTIONS, MODELS, OPTIMIZER_PARAMS, REGIMES, SYNC_STEPS,
                                    TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
                                    config_name, parse_setting, run_one, split_mode, write_config)
 from ds_lowcomm.examples.common import dropout
@@ -43,7 +43,8 @@ def parse_args(argv=None):
                     help=f"comma-separated, from: {', '.join(CONFIGS)} (default ideal,ddp,deepspeed,zero1,acco); "
                          f"--regime uneven-trainer: from {', '.join(TRAINER_CONFIGS)} (default all); "
                          "MODE:KEY=VALUE[:KEY=VALUE...] runs a mode with options of its own, after --set's "
-                         "(desloc-streamed:desloc.param_sync_delay=4; a VALUE holding ':' or ',' needs --set)")
+                         "(desloc-streamed:desloc.param_sync_delay=4, ddp:optimizer.lr=0.003; a VALUE holding ':' or "
+                         "',' needs --set)")
     ap.add_argument("--regime", choices=REGIMES, default=None,
                     help="a preset link: fast, moderate, slow, uneven, two-node or uneven-trainer (see above)")
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 for two-node)")
@@ -89,7 +90,8 @@ def parse_args(argv=None):
     ap.add_argument("--calibration-steps", type=int, default=6,
                     help="steps of the compute-only calibration run of moderate/slow/two-node")
     ap.add_argument("--set", action="append", default=[], type=_setting, metavar="KEY=VALUE",
-                    help="override a \"lowcomm\" option, e.g. demo.topk=8 (JSON value; repeatable)")
+                    help="override a \"lowcomm\" option, e.g. demo.topk=8, or the optimizer's lr, betas, eps or "
+                         "weight_decay in every mode's config, e.g. optimizer.lr=0.003 (JSON value; repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the table shows medians")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench_results")
@@ -140,17 +142,29 @@ def parse_args(argv=None):
     if trainer and args.tokenizer != "byte":
         ap.error("--regime uneven-trainer: examples/finetune_hf.py tokenizes bytes only; drop --tokenizer")
     runs_modes = {m: _lowcomm_mode(m, args.regime) for m in args.mode_list}
+    for where, key in [(f"--modes {e}", k) for e, (_, s) in parsed.items() for k, _ in s] + \
+            [(f"--set {k}", k) for k, _ in args.set]:
+        if key.startswith("optimizer.") and trainer:
+            ap.error(f"{where}: --regime uneven-trainer's Trainer builds its own optimizer from its flags; "
+                     f"drop {key}")
+        if key.startswith("optimizer.") and key.split(".", 1)[1] not in OPTIMIZER_PARAMS:
+            ap.error(f"{where}: {key} is not an optimizer setting the bench passes; choose from "
+                     f"{', '.join('optimizer.' + p for p in OPTIMIZER_PARAMS)}")
     for entry, (mode, settings) in parsed.items():
         if settings and mode == "ideal":
             ap.error(f"--modes {entry}: ideal (no communication, the pace limit) takes no options; "
                      f"drop them")
         for key, _ in settings:
+            if key.startswith("optimizer."):
+                continue
             head = key.split(".")[0]
             if runs_modes[entry] is None or ("." in key and head != runs_modes[entry]):
                 ap.error(f"--modes {entry}: {key} is not an option of its config (it runs "
                          f"{runs_modes[entry] or 'no lowcomm section'}); drop it"
                          + (f", or put it on a {head} mode" if "." in key else ""))
     for key, _ in args.set:
+        if key.startswith("optimizer."):
+            continue
         head = key.split(".")[0]
         if "." in key and head not in runs_modes.values():
             ap.error(f"--set {key}: no mode in --modes runs {head!r} (they run "

@@ -105,9 +105,15 @@ MODELS = {  # name: (n_layer, n_head, n_embd, block_size, dropout; None: the tra
 }
 
 
+#: ``optimizer.<param>`` settings: the optimizer hyper-parameters every mode's training script reads
+#: from its config (examples/train_ddp.py builds torch's AdamW from these four)
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
 def parse_setting(text: str) -> Tuple[str, object]:
-    """``KEY=VALUE`` (a "lowcomm" option, e.g. ``demo.topk=8``; VALUE read as JSON where it parses,
-    else as a string); ValueError names the expected form."""
+    """``KEY=VALUE`` (a "lowcomm" option, e.g. ``demo.topk=8``, or ``optimizer.lr=0.003``, one of
+    :data:`OPTIMIZER_PARAMS`; VALUE read as JSON where it parses, else as a string); ValueError
+    names the expected form."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ValueError(f"{text!r}: expected KEY=VALUE, e.g. demo.topk=8")
@@ -136,7 +142,12 @@ def config_name(entry: str, regime: Optional[str]) -> Optional[str]:
 
 def apply_setting(cfg: dict, key: str, value) -> None:
     """Set "lowcomm" option ``key`` (dotted) in ``cfg``: ``demo.topk`` only touches a demo config,
-    ``comm_dtype`` every config with a "lowcomm" section."""
+    ``comm_dtype`` every config with a "lowcomm" section; ``optimizer.lr`` sets the optimizer's
+    ``lr`` in every config, the peers' (``ddp``) included, so each method can run at its own best
+    learning rate."""
+    if key.startswith("optimizer."):
+        cfg["optimizer"]["params"][key.split(".", 1)[1]] = value
+        return
     section = cfg.get("lowcomm")
     head, *rest = key.split(".")
     if section is None or (rest and head != section["mode"]):
