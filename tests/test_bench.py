@@ -154,7 +154,7 @@ def test_bench_runs_each_mode_at_its_own_learning_rate(tmp_path):
     """``optimizer.lr`` sets the learning rate in an entry's config, the DDP peer's included (it has
     no "lowcomm" section; examples/train_ddp.py builds its AdamW from the config), and ``--set
     optimizer.lr`` in every mode's, under an entry's own: so a bench compares methods each at its
-    best learning rate."""
+    best learning rate. A peer's value torch's AdamW would refuse ends the bench before any run."""
     from ds_lowcomm.bench import cli
     from ds_lowcomm.bench.runs import write_config
 
@@ -169,6 +169,15 @@ def test_bench_runs_each_mode_at_its_own_learning_rate(tmp_path):
     written = json.loads((tmp_path / "configs" / f"{entries[2]}.10.json").read_text())
     assert written["optimizer"]["params"]["betas"] == [0.9, 0.99]
     assert written["lowcomm"]["desloc"]["param_sync_delay"] == 4
+    # the peers alone (no "lowcomm" section in the run) take it too
+    peers = cli.parse_args(["--modes", "ddp,deepspeed", "--set", "optimizer.lr=0.002", "--out", str(tmp_path)])
+    assert [json.loads(write_config(e, peers, tmp_path, 10).read_text())["optimizer"]["params"]["lr"]
+            for e in ("ddp", "deepspeed")] == [0.002, 0.002]
+    # a peer's AdamW setting that torch would refuse ends the bench before its first run
+    bad = cli.parse_args(["--modes", "ddp:optimizer.lr=-1,zero1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^bench: --modes ddp:optimizer.lr=-1 \(at 60 steps, .*\) would be "
+                                         r"refused: optimizer.params.lr: got -1; must be a number >= 0"):
+        cli.check_runs(bad, tmp_path)
 
 
 @pytest.mark.unit

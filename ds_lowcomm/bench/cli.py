@@ -90,8 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--calibration-steps", type=int, default=6,
                     help="steps of the compute-only calibration run of moderate/slow/two-node")
     ap.add_argument("--set", action="append", default=[], type=_setting, metavar="KEY=VALUE",
-                    help="override a \"lowcomm\" option, e.g. demo.topk=8, or the optimizer's lr, betas, eps or "
-                         "weight_decay in every mode's config, e.g. optimizer.lr=0.003 (JSON value; repeatable)")
+                    help="override a \"lowcomm\" option, e.g. demo.topk=8, or write the optimizer's lr, betas, eps "
+                         "or weight_decay into every mode's config (each mode uses those it has), e.g. "
+                         "optimizer.lr=0.003 (JSON value; repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the table shows medians")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", default="bench_results")
@@ -187,17 +188,18 @@ def check_runs(args, out: Path) -> None:
     """Every run's config, written as it will run and validated as ds_lowcomm validates it at
     start-up, before the first run: a config one run would refuse ends the bench in one line
     before it spends time on the others."""
-    from ds_lowcomm.config import LowCommConfig, LowCommConfigError, parse
+    from ds_lowcomm.config import LowCommConfig, LowCommConfigError, check_adamw_hyperparameters, parse
     from ds_lowcomm.modes import MODES
 
     for steps in args.budgets:
         for mode in args.mode_list:
             path = write_config(mode, args, out, steps)
             cfg = json.loads(path.read_text()) if path is not None else {}
-            if "lowcomm" not in cfg:
-                continue
             try:
-                if args.regime == "uneven-trainer":  # the Trainer fills the "auto" values from its flags
+                if "lowcomm" not in cfg:  # the peers (ddp, stock DeepSpeed): their AdamW's settings
+                    if "params" in cfg.get("optimizer", {}):
+                        check_adamw_hyperparameters(cfg["optimizer"]["params"], "optimizer.params")
+                elif args.regime == "uneven-trainer":  # the Trainer fills the "auto" values from its flags
                     LowCommConfig.from_dict(cfg["lowcomm"], MODES)
                 else:
                     parse(cfg, MODES)

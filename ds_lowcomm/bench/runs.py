@@ -105,8 +105,9 @@ MODELS = {  # name: (n_layer, n_head, n_embd, block_size, dropout; None: the tra
 }
 
 
-#: ``optimizer.<param>`` settings: the optimizer hyper-parameters every mode's training script reads
-#: from its config (examples/train_ddp.py builds torch's AdamW from these four)
+#: ``optimizer.<param>`` settings, written into a config's optimizer params: examples/train_ddp.py
+#: builds torch's AdamW from these four; a ds_lowcomm mode uses those its step has (demo has no
+#: betas or eps, Muon's matrices their own momentum)
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -146,7 +147,7 @@ def apply_setting(cfg: dict, key: str, value) -> None:
     ``lr`` in every config, the peers' (``ddp``) included, so each method can run at its own best
     learning rate."""
     if key.startswith("optimizer."):
-        cfg["optimizer"]["params"][key.split(".", 1)[1]] = value
+        cfg["optimizer"]["params"][key.split(".", 1)[1]] = value  # (every bench config has one)
         return
     section = cfg.get("lowcomm")
     head, *rest = key.split(".")
