@@ -15,7 +15,8 @@ from ds_lowcomm.bench.link import Link, TwoNodeLink
 from ds_lowcomm.bench.report import report, save_results
 from ds_lowcomm.bench.runs import (CONFIGS, LOWCOMM_OPTIONS, MODELS, OPTIMIZER_PARAMS, REGIMES, SYNC_STEPS,
                                    TRAINER_BUDGETS, TRAINER_CONFIGS, VARIANTS, _stop_on_sigterm, calibrate,
-                                   config_name, parse_setting, run_one, split_mode, write_config)
+                                   config_name, is_optimizer_setting, parse_setting, run_one, split_mode,
+                                   write_config)
 from ds_lowcomm.examples.common import dropout
 
 
@@ -145,10 +146,10 @@ def parse_args(argv=None):
     runs_modes = {m: _lowcomm_mode(m, args.regime) for m in args.mode_list}
     for where, key in [(f"--modes {e}", k) for e, (_, s) in parsed.items() for k, _ in s] + \
             [(f"--set {k}", k) for k, _ in args.set]:
-        if key.startswith("optimizer.") and trainer:
+        if is_optimizer_setting(key) and trainer:
             ap.error(f"{where}: --regime uneven-trainer's Trainer builds its own optimizer from its flags; "
                      f"drop {key}")
-        if key.startswith("optimizer.") and key.split(".", 1)[1] not in OPTIMIZER_PARAMS:
+        if is_optimizer_setting(key) and key.split(".", 1)[1] not in OPTIMIZER_PARAMS:
             ap.error(f"{where}: {key} is not an optimizer setting the bench passes; choose from "
                      f"{', '.join('optimizer.' + p for p in OPTIMIZER_PARAMS)}")
     for entry, (mode, settings) in parsed.items():
@@ -156,7 +157,7 @@ def parse_args(argv=None):
             ap.error(f"--modes {entry}: ideal (no communication, the pace limit) takes no options; "
                      f"drop them")
         for key, _ in settings:
-            if key.startswith("optimizer."):
+            if is_optimizer_setting(key):  # checked above, for every config
                 continue
             head = key.split(".")[0]
             if runs_modes[entry] is None or ("." in key and head != runs_modes[entry]):
@@ -164,7 +165,7 @@ def parse_args(argv=None):
                          f"{runs_modes[entry] or 'no lowcomm section'}); drop it"
                          + (f", or put it on a {head} mode" if "." in key else ""))
     for key, _ in args.set:
-        if key.startswith("optimizer."):
+        if is_optimizer_setting(key):
             continue
         head = key.split(".")[0]
         if "." in key and head not in runs_modes.values():

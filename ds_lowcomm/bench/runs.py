@@ -111,6 +111,11 @@ MODELS = {  # name: (n_layer, n_head, n_embd, block_size, dropout; None: the tra
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
+def is_optimizer_setting(key: str) -> bool:
+    """``optimizer.<param>``: a setting of the config's optimizer, not of its "lowcomm" section."""
+    return key.startswith("optimizer.")
+
+
 def parse_setting(text: str) -> Tuple[str, object]:
     """``KEY=VALUE`` (a "lowcomm" option, e.g. ``demo.topk=8``, or ``optimizer.lr=0.003``, one of
     :data:`OPTIMIZER_PARAMS`; VALUE read as JSON where it parses, else as a string); ValueError
@@ -146,8 +151,8 @@ def apply_setting(cfg: dict, key: str, value) -> None:
     ``comm_dtype`` every config with a "lowcomm" section; ``optimizer.lr`` sets the optimizer's
     ``lr`` in every config, the peers' (``ddp``) included, so each method can run at its own best
     learning rate."""
-    if key.startswith("optimizer."):
-        cfg["optimizer"]["params"][key.split(".", 1)[1]] = value  # (every bench config has one)
+    if is_optimizer_setting(key):  # every config but the Trainer's has one; its regime refuses these
+        cfg["optimizer"]["params"][key.split(".", 1)[1]] = value
         return
     section = cfg.get("lowcomm")
     head, *rest = key.split(".")
