@@ -493,3 +493,18 @@ def test_bench_uneven_trainer_tiny(tmp_path):
     assert by_mode["zero1-slowest"]["step_to_target"] == 2
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {m} |" in table for m in modes) and "vs zero1-slowest" in table
+
+
+@pytest.mark.unit
+def test_bench_keeps_a_failed_runs_log(tmp_path):
+    """A run that exits non-zero leaves its whole output in its log, where the bench's one-line
+    failure message sends the user (before, only a finished run's log was written)."""
+    from ds_lowcomm.bench.runs import _follow
+
+    script = "print('step 1/2 | loss 5.0'); import sys; print('Traceback: boom', file=sys.stderr); sys.exit(3)"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    log = tmp_path / "run.log"
+    with pytest.raises(RuntimeError, match=r"^run: training exited with 3:"):
+        _follow(proc, "run", log, quiet=True)
+    assert log.read_text().splitlines() == ["step 1/2 | loss 5.0", "Traceback: boom"]

@@ -269,8 +269,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
         output_dir = out / "hf_runs" / label  # the Trainer's output (the final model): removed after
         proc = _launch(trainer_command(args, config, log_json, steps, output_dir), env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        text = _follow(proc, label)
-        (logs / f"{label}.log").write_text(text)
+        text = _follow(proc, label, logs / f"{label}.log")
         shutil.rmtree(output_dir, ignore_errors=True)
         try:
             output_dir.parent.rmdir()  # when it was the last
@@ -292,9 +291,8 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
                                 link, steps)
             procs.append(_launch(link.prefix() + cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-        outs = [_follow(p, f"{label} rank {r}", quiet=r > 0) for r, p in enumerate(procs)]
-        for r, text in enumerate(outs):
-            (logs / f"{label}.rank{r}.log").write_text(text)
+        outs = [_follow(p, f"{label} rank {r}", logs / f"{label}.rank{r}.log", quiet=r > 0)
+                for r, p in enumerate(procs)]
         parts = [_result(o, label) for o in outs]
         result = dict(parts[0])
         result.update(world_size=args.world_size, mode="ideal",
@@ -313,7 +311,7 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
         cmd = train_command(args, mode, config, args.world_size, log_json, args.slow_rank or "", link, steps)
         proc = _launch(link.prefix() + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
-        text = _follow(proc, label)
+        text = _follow(proc, label, logs / f"{label}.log")
         link_bytes = None
     else:  # one launcher per node, each in its namespace; node 0 holds rank 0 (the results)
         port, per_node = free_port(), args.world_size // link.nodes
@@ -327,13 +325,12 @@ def run_one(args, mode: str, link: Link, out: Path, label: str, steps: int) -> d
             sink = subprocess.PIPE if node == 0 else open(logs / f"{label}.node{node}.log", "w")
             procs.append(_launch(link.prefix(node) + cmd, env=dict(env, **link.node_env(node)),
                                           stdout=sink, stderr=subprocess.STDOUT, text=True))
-        text = _follow(procs[0], label)
+        text = _follow(procs[0], label, logs / f"{label}.log")
         for node, p in enumerate(procs[1:], 1):
             if p.wait() != 0:
                 raise RuntimeError(f"{label}: node {node} exited with {p.returncode}; see "
                                    f"{logs / f'{label}.node{node}.log'}")
         link_bytes = link.counters() - before  # the whole job's, set-up and validation included
-    (logs / f"{label}.log").write_text(text)
     result = _result(text, label)
     result["mode"] = mode  # train.py names the mode of the config: "zero1" for zero1-overlap
     if link_bytes is not None:
@@ -351,8 +348,9 @@ def _cuda() -> bool:
         return False
 
 
-def _follow(proc: subprocess.Popen, label: str, quiet: bool = False) -> str:
-    """Stream a run's progress lines, return its whole output."""
+def _follow(proc: subprocess.Popen, label: str, log: Path, quiet: bool = False) -> str:
+    """Stream a run's progress lines and return its whole output, written to ``log`` whether or not
+    the run succeeded (the bench's failure message points there)."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -360,6 +358,7 @@ def _follow(proc: subprocess.Popen, label: str, quiet: bool = False) -> str:
             print(f"  [{label}] {line.strip()}", flush=True)
     proc.wait()
     text = "".join(lines)
+    log.write_text(text)
     if proc.returncode != 0:
         raise RuntimeError(f"{label}: training exited with {proc.returncode}:\n{text[-4000:]}")
     return text
