@@ -15,10 +15,17 @@ measured                                        chosen
 ``r`` < ``FAST``, even ranks                    ``zero1``
 ``r`` < ``SLOW``, uneven ranks or ``r`` ≥ FAST  ``acco`` (else ``zero1`` with ``overlap``)
 ``r`` ≥ ``SLOW``, nodes whose inside link is    ``desloc``, ``shard_group_size`` = ranks per
-fast (``r`` inside a node < ``FAST``)           node, Kx the power of two ≥ 6·r in [16, 256]
+fast (``r`` inside a node < ``FAST``)           node, Kx the power of two ≥ 6·r in [16, 256],
+                                                each sync streamed behind Kx/4 local steps
+``r`` ≥ ``SLOW``, the user's ``desloc``         ``desloc``, every rank its own replica, Kx as
+``inner_optimizer`` is ``"muon"``               above
 ``r`` ≥ ``SLOW``, otherwise                     ``demo``, every rank its own replica, the
                                                 slow-link settings (top-256 of 64×64, sign)
 ==============================================  ===========================================
+
+The optimizer is the user's: "automatic" never changes it. Muon is a local step that only
+``desloc`` runs, so a user who asked for it gets ``desloc`` where a local mode wins, not ``demo``,
+whose step is a sign of its own compressed momentum.
 
 A replica layout whose optimizer state would not fit in the device memory free after the first
 micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row.
@@ -90,6 +97,8 @@ class Measured:
     #: checked, as on CPU, where the host's memory is not the limit this guards)
     numel: int = 0
     free_bytes: Optional[float] = None
+    #: the user's ``desloc.inner_optimizer`` is "muon": on a slow link desloc comes before demo
+    muon: bool = False
 
     def fits(self, mode: str, shard_group_size: int) -> bool:
         """Whether a replica's optimizer state, sharded over ``shard_group_size`` ranks, takes
@@ -143,12 +152,20 @@ def describe(choice: Choice) -> str:
     return choice.mode + (f" ({', '.join(settings)})" if settings else "")
 
 
-def desloc_periods(ratio: float) -> Dict[str, int]:
-    """Kx the power of two at or above 6·r, within [16, 256], and the moments at 3·Kx and 6·Kx (the
-    shipped periods): a parameter sync then costs at most about a sixth of its Kx steps' compute,
-    and all three together about a quarter."""
+def desloc_picks(ratio: float) -> Dict[str, int]:
+    """Kx the power of two at or above 6·r, within [16, 256], the moments at 3·Kx and 6·Kx (the
+    shipped periods), and each sync streamed behind :func:`desloc_delay` local steps: a parameter
+    sync then costs about a sixth of its Kx steps' compute, which Kx/4 ≥ 1.5·r steps hide."""
     kx = 2 ** max(4, min(8, math.ceil(math.log2(max(6 * ratio, 1.0)))))
-    return {"param_sync_every": kx, "momentum_sync_every": 3 * kx, "variance_sync_every": 6 * kx}
+    periods = {"param_sync_every": kx, "momentum_sync_every": 3 * kx, "variance_sync_every": 6 * kx}
+    return {**periods, "param_sync_delay": kx // 4}
+
+
+def desloc_delay(options) -> int:
+    """The ``param_sync_delay`` "automatic" streams ``options``' (DeslocOptions) syncs by: a quarter of
+    the parameter period that runs (the user's own, where set), 0 (synchronous) where the user's
+    compressed moment syncs ask for synchronous syncs (Streaming DiLoCo's overlap: arXiv 2501.18512)."""
+    return 0 if options.moment_sync_topk else options.param_sync_every // 4
 
 
 def choose(m: Measured, usable: Sequence[str]) -> Choice:
@@ -166,10 +183,12 @@ def choose(m: Measured, usable: Sequence[str]) -> Choice:
         if node_fast:
             numbers += f", inside a node {m.node_ratio:.2f}"
         nodes = 1 < per_node < w
+        # every rank its own replica: DeMo, unless the user's local step is Muon, which only desloc runs
+        own_replica = [("desloc", 1), ("demo", 1)] if m.muon else [("demo", 1), ("desloc", 1)]
         if fixed is not None:
-            layouts = [("desloc", fixed), ("demo", fixed)] if fixed > 1 else [("demo", 1), ("desloc", 1)]
+            layouts = [("desloc", fixed), ("demo", fixed)] if fixed > 1 else own_replica
         else:  # a node's fast link shards the state; else every rank its own replica; a node if that does not fit
-            layouts = ([("desloc", per_node)] if nodes and node_fast else []) + [("demo", 1), ("desloc", 1)] + \
+            layouts = ([("desloc", per_node)] if nodes and node_fast else []) + own_replica + \
                 ([("desloc", per_node)] if nodes and not node_fast else [])
         for mode, size in layouts:
             if mode not in usable:
@@ -181,7 +200,8 @@ def choose(m: Measured, usable: Sequence[str]) -> Choice:
             numbers += "".join(f"; {why}" for why in too_big)
             if mode == "demo":
                 return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
-            return Choice("desloc", size, desloc_periods(r), f"{numbers}: {replicas} sync every few dozen steps")
+            muon = ", Muon as the local step (desloc.inner_optimizer)" if m.muon else ""
+            return Choice("desloc", size, desloc_picks(r), f"{numbers}: {replicas} sync every few dozen steps{muon}")
         if not sharded:
             raise LowCommConfigError(
                 f"lowcomm.mode: 'automatic' found no mode to run with lowcomm.shard_group_size {fixed} "

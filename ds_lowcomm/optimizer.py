@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, shard_meta
 from ds_lowcomm.checkpoint.migrate import upgrade_meta
 from ds_lowcomm.comm.collectives import CommStats
-from ds_lowcomm.auto import Choice, Measured, agree, choose, describe, predict_sync_s, ranks_per_node
+from ds_lowcomm.auto import Choice, Measured, agree, choose, describe, desloc_delay, predict_sync_s, ranks_per_node
 from ds_lowcomm.config import AUTO, LowCommConfig, LowCommConfigError
 from ds_lowcomm.memory import release_freed_heap
 from ds_lowcomm.shard.context import ModeContext
@@ -191,7 +191,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
             free = min(agree([mine if r == rank else math.inf for r in range(world)], control, op=dist.ReduceOp.MIN))
         measured = Measured(world, local, per_rank, probe(topo) if world > 1 else 0.0,
                             shard_group_size=self.config.shard_group_size, numel=self.flat.layout.numel,
-                            free_bytes=free)
+                            free_bytes=free, muon=self.config.options_by_mode["desloc"].inner_optimizer == "muon")
         node_topology = None
         if measured.needs_node_probe():
             node_topology = Topology.build(local, self.config.collective_timeout_s, self.stats, control=topo.control)
@@ -274,10 +274,14 @@ class LowCommOptimizer(torch.optim.Optimizer):
             refused.append(f"{choice.mode} refused: {error}")
 
     def _config_for(self, choice: Choice) -> LowCommConfig:
-        """The config of the chosen mode: auto's picks under the user's own keys in its sub-object."""
+        """The config of the chosen mode: auto's picks under the user's own keys in its sub-object
+        (desloc's streaming delay fitted to the period that runs: :func:`~ds_lowcomm.auto.desloc_delay`)."""
         mine = self.config.options_by_mode[choice.mode]
         given = self.config.given_by_mode[choice.mode]
         options = dataclasses.replace(mine, **{k: v for k, v in choice.options.items() if k not in given})
+        if choice.mode == "desloc" and "param_sync_delay" in choice.options and "param_sync_delay" not in given:
+            # streamed behind a quarter of the period that runs: the user's own Kx may be shorter
+            options = dataclasses.replace(options, param_sync_delay=desloc_delay(options))
         return dataclasses.replace(self.config, mode=choice.mode, mode_options=options,
                                    shard_group_size=choice.shard_group_size)
 

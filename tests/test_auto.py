@@ -7,18 +7,19 @@ import torch
 
 import workers
 from dist import run_ranks
-from ds_lowcomm.auto import Measured, choose, desloc_periods
+from ds_lowcomm.auto import Measured, choose, desloc_delay, desloc_picks
 from ds_lowcomm.config import LowCommConfigError, parse
 from ds_lowcomm.modes import MODES
 
 ALL = list(MODES)
 
 
-def _measured(ratio, world=2, per_node=1, uneven=1.0, node_ratio=None, shard_group_size=None, free_gb=None):
+def _measured(ratio, world=2, per_node=1, uneven=1.0, node_ratio=None, shard_group_size=None, free_gb=None,
+              muon=False):
     compute = 0.2
     return Measured(world, per_node, [compute] + [compute * uneven] * (world - 1), ratio * compute,
                     None if node_ratio is None else node_ratio * compute, shard_group_size,
-                    numel=7 * 10 ** 9, free_bytes=None if free_gb is None else free_gb * 1e9)
+                    numel=7 * 10 ** 9, free_bytes=None if free_gb is None else free_gb * 1e9, muon=muon)
 
 
 # (measured, usable modes, mode, shard_group_size, picks): the table of ds_lowcomm/auto.py,
@@ -33,7 +34,7 @@ TABLE = [
                                        "tiling": "matrix"}),
     # slow between nodes of 2 whose own link is fast: DES-LOC, replicas of a node, Kx >= 6r
     (_measured(10.0, world=4, per_node=2, node_ratio=0.1), ALL, "desloc", 2,
-     {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}),
+     {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384, "param_sync_delay": 16}),
     # ... and whose own link is slow too: every rank its own replica
     (_measured(10.0, world=4, per_node=2, node_ratio=5.0), ALL, "demo", 1, None),
     (_measured(10.0), ["zero1", "acco", "desloc"], "desloc", 1, None),
@@ -47,6 +48,15 @@ TABLE = [
     (_measured(10.0, world=16, per_node=8, free_gb=60), ALL, "desloc", 8, None),
     (_measured(10.0, world=16, per_node=1, free_gb=60), ALL, "acco", None, {}),
     (_measured(10.0, world=16, per_node=8, free_gb=200), ALL, "demo", 1, None),
+    # the user's local step is Muon, which only desloc runs: desloc where demo would be, each rank
+    # its own replica; nothing else changes
+    (_measured(10.0, muon=True), ALL, "desloc", 1,
+     {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384, "param_sync_delay": 16}),
+    (_measured(10.0, shard_group_size=1, muon=True), ALL, "desloc", 1, None),
+    (_measured(10.0, muon=True), ["zero1", "acco", "demo"], "demo", 1, None),
+    (_measured(10.0, world=4, per_node=2, node_ratio=0.1, muon=True), ALL, "desloc", 2, None),
+    (_measured(1.0, muon=True), ALL, "acco", None, {}),
+    (_measured(0.05, muon=True), ALL, "zero1", None, {}),
 ]
 
 
@@ -61,12 +71,18 @@ def test_the_choice_table(i):
     assert f"{measured.ratio:.2f} steps of compute" in choice.reason
     if measured.free_bytes is not None and (mode, size) != ("demo", 1):
         assert "would not fit in memory" in choice.reason
+    assert ("Muon as the local step" in choice.reason) == (measured.muon and mode == "desloc")
 
 
 @pytest.mark.unit
-def test_desloc_periods_and_no_mode_left():
-    assert [desloc_periods(r)["param_sync_every"] for r in (0.1, 3, 5.4, 10, 20, 100)] == [16, 32, 64, 64, 128, 256]
-    assert desloc_periods(10) == {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}
+def test_desloc_picks_and_no_mode_left():
+    assert [desloc_picks(r)["param_sync_every"] for r in (0.1, 3, 5.4, 10, 20, 100)] == [16, 32, 64, 64, 128, 256]
+    assert desloc_picks(10) == {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384,
+                                "param_sync_delay": 16}
+    # streamed behind a quarter of the period that runs; compressed moment syncs are synchronous
+    options = MODES["desloc"].Options
+    assert [desloc_delay(options(param_sync_every=kx)) for kx in (1, 3, 4, 8, 64, 256)] == [0, 0, 1, 2, 16, 64]
+    assert desloc_delay(options(param_sync_every=64, moment_sync_topk=4)) == 0
     with pytest.raises(LowCommConfigError, match="found no mode"):
         choose(_measured(10.0, world=4, shard_group_size=2), ["zero1", "acco"])
 
@@ -126,6 +142,12 @@ AUTO_CASES = {
     # an odd accumulation count rules acco out; the first micro-batch is a step's boundary
     "zero1-overlap": (2, 1, {}, "moderate", ("zero1", None)),
     "demo": (2, 2, {}, "slow", ("demo", 1)),
+    # the user's local step is Muon: desloc with it, where AdamW's runs get demo; the user's Kx 4
+    # runs, its syncs streamed behind 1 step (a quarter of it)
+    "desloc-muon": (2, 2, {"desloc": {"inner_optimizer": "muon", "param_sync_every": 4}}, "slow", ("desloc", 1)),
+    # the user's compressed moment syncs are synchronous: no streaming (else desloc would be refused)
+    "desloc-moments": (2, 2, {"desloc": {"inner_optimizer": "muon", "param_sync_every": 4, "momentum_sync_every": 4,
+                                         "moment_sync_topk": 8}}, "slow", ("desloc", 1)),
     "desloc-nodes": (4, 2, {}, "nodes", ("desloc", 2)),
 }
 
@@ -192,7 +214,7 @@ def test_auto_trains_as_the_mode_it_chose(case):
     choice on the whole world's layout, carries into the chosen one, and the run equals the chosen
     mode set by hand, bit for bit."""
     world, _, _, _, expected = AUTO_CASES[case]
-    results = run_ranks(_auto_vs_fixed, world, case, 3)
+    results = run_ranks(_auto_vs_fixed, world, case, 6)
     for r in results:
         l_auto, l_fixed = r["losses"]
         assert l_auto == l_fixed
@@ -206,8 +228,11 @@ def test_auto_trains_as_the_mode_it_chose(case):
     if case == "zero1-overlap":
         assert chosen["options"] == {"overlap": True}
     if case == "desloc-nodes":  # r is far past 6 x 256
-        assert chosen["options"]["param_sync_every"] == 256
+        assert chosen["options"]["param_sync_every"] == 256 and chosen["options"]["param_sync_delay"] == 64
         assert results[0]["digests"][0] == results[1]["digests"][0] != results[2]["digests"][0]  # 2 replicas
+    if case.startswith("desloc-m"):  # a sync at step 4, streamed (applied at step 5) or not
+        assert chosen["options"]["param_sync_every"] == 4
+        assert chosen["options"]["param_sync_delay"] == (1 if case == "desloc-muon" else 0)
     if case == "acco":
         assert any("would now choose demo" in m for m in results[0]["logged"]), results[0]["logged"]
         assert not any("would now choose" in m for m in results[1]["logged"])  # rank 0 alone re-checks

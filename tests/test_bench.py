@@ -19,6 +19,14 @@ SCHEMA = {"mode": str, "world_size": int, "bandwidth": (str, type(None)), "token
           "step_to_target": (int, type(None))}
 
 
+def _failure(proc, out: Path) -> str:
+    """A failed bench's output, and the tail of each run's log in ``out`` (a run's own traceback is
+    there, not in the bench's output)."""
+    logs = sorted((out / "logs").glob("*.log")) if (out / "logs").is_dir() else []
+    return "\n".join([proc.stdout[-3000:], proc.stderr[-3000:]] +
+                     [f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs])
+
+
 def _val_records(path: Path) -> list:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "val_loss" in r]
 
@@ -129,6 +137,10 @@ def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
     # desloc_slow_link.json's periods (64, 192, 384), --set's 16, then each entry's own
     assert [(d["param_sync_every"], d["param_sync_delay"]) for d in desloc] == [(16, 12), (16, 4), (32, 8)]
     assert {d["momentum_sync_every"] for d in desloc} == {192}
+    # an automatic entry takes a mode's options as the user's own keys in that mode's sub-object
+    auto = cli.parse_args(["--modes", "automatic:desloc.inner_optimizer=muon", "--regime", "slow", "--out", str(tmp_path)])
+    lowcomm = json.loads(write_config(auto.mode_list[0], auto, tmp_path, 10).read_text())["lowcomm"]
+    assert lowcomm["mode"] == "automatic" and lowcomm["desloc"] == {"inner_optimizer": "muon"}
     for argv, message in [
             (["--modes", "zero1,desloc:demo.topk=8"], "--modes desloc:demo.topk=8: demo.topk is not an option of "
                                                       "its config (it runs desloc)"),
@@ -261,7 +273,7 @@ def test_bench_tiny(tmp_path):
                            "--model", "tiny", "--steps", "5", "--eval-iters", "2", "--evals", "5",
                            "--powersgd-rank", "1", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     assert "[1/8] ideal" in proc.stdout and "[8/8] zero1-overlap" in proc.stdout
     result = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in result["runs"]] == modes
@@ -318,7 +330,7 @@ def test_bench_budget_sweep(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--modes", "ddp,zero1", "--model", "tiny",
                            "--budgets", "4,2", "--eval-iters", "2", "--evals", "2", "--target", "5.45",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     result = json.loads((tmp_path / "results.json").read_text())
     assert [(r["mode"], r["steps"]) for r in result["runs"]] == [("ddp", 2), ("zero1", 2), ("ddp", 4), ("zero1", 4)]
     for r in result["runs"]:
@@ -336,7 +348,7 @@ def test_bench_budget_sweep(tmp_path):
     # and every run's time to it is read back from its own log.
     proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench", "--retarget", str(tmp_path),
                            "--target-budget", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     again = json.loads((tmp_path / "results.json").read_text())
     ddp2 = next(r for r in result["runs"] if (r["mode"], r["steps"]) == ("ddp", 2))
     target = again["config"]["target"]
@@ -368,7 +380,7 @@ def test_link_bytes_match_accounting(tmp_path):
                            "--model", "small", "--steps", "10", "--eval-iters", "1", "--bandwidth", "10gbit",
                            "--set", "desloc.param_sync_every=2", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     runs = {r["mode"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     for mode in ("zero1", "acco", "demo", "desloc"):
         ours, link = runs[mode]["bytes_sent_per_rank_per_step"], runs[mode]["link_bytes_per_step"]
@@ -387,7 +399,7 @@ def test_two_node_regime(tmp_path):
                            "--model", "tiny", "--steps", "3", "--eval-iters", "1", "--evals", "1",
                            "--calibration-steps", "2", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["config"]["regime"] == "two-node" and result["config"]["world_size"] == 4
     assert "calibration:" in proc.stdout and result["config"]["bandwidth"].endswith("kbit")
@@ -432,7 +444,7 @@ def test_checkpoint_bench_tiny(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ds_lowcomm.bench.checkpoint", "--model", "tiny", "--async-save",
                            "--configs", ",".join(labels), "--bandwidth", "none", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     rows = {r["label"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
     assert list(rows) == labels and (tmp_path / "results.md").is_file()
     for label, per_param in CHECKPOINT_BYTES_PER_PARAM.items():
@@ -458,7 +470,7 @@ def test_bench_uneven_trainer_tiny(tmp_path):
                            "--modes", ",".join(modes),
                            "--budgets", "2", "--micro-batch", "2", "--gas", "2", "--eval-iters", "1", "--evals", "2",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc, tmp_path)
     assert "ddp: no DeepSpeed (the Trainer's DDP)" in proc.stdout
     result = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in result["runs"]] == modes

@@ -160,7 +160,8 @@ def parse_args(argv=None):
             if is_optimizer_setting(key):  # checked above, for every config
                 continue
             head = key.split(".")[0]
-            if runs_modes[entry] is None or ("." in key and head != runs_modes[entry]):
+            # an automatic config takes every mode's options, as the user's own keys for that mode
+            if runs_modes[entry] is None or ("." in key and head != runs_modes[entry] != "automatic"):
                 ap.error(f"--modes {entry}: {key} is not an option of its config (it runs "
                          f"{runs_modes[entry] or 'no lowcomm section'}); drop it"
                          + (f", or put it on a {head} mode" if "." in key else ""))
@@ -168,7 +169,7 @@ def parse_args(argv=None):
         if is_optimizer_setting(key):
             continue
         head = key.split(".")[0]
-        if "." in key and head not in runs_modes.values():
+        if "." in key and head not in runs_modes.values() and "automatic" not in runs_modes.values():
             ap.error(f"--set {key}: no mode in --modes runs {head!r} (they run "
                      f"{', '.join(sorted({v for v in runs_modes.values() if v})) or 'no lowcomm section'}); "
                      f"add a {head} mode to --modes, or drop --set {key}")

@@ -147,7 +147,8 @@ def config_name(entry: str, regime: Optional[str]) -> Optional[str]:
 
 
 def apply_setting(cfg: dict, key: str, value) -> None:
-    """Set "lowcomm" option ``key`` (dotted) in ``cfg``: ``demo.topk`` only touches a demo config,
+    """Set "lowcomm" option ``key`` (dotted) in ``cfg``: ``demo.topk`` only touches a demo config
+    and an ``automatic`` one (there the user's own key, which wins over its pick for demo),
     ``comm_dtype`` every config with a "lowcomm" section; ``optimizer.lr`` sets the optimizer's
     ``lr`` in every config, the peers' (``ddp``) included, so each method can run at its own best
     learning rate."""
@@ -156,7 +157,7 @@ def apply_setting(cfg: dict, key: str, value) -> None:
         return
     section = cfg.get("lowcomm")
     head, *rest = key.split(".")
-    if section is None or (rest and head != section["mode"]):
+    if section is None or (rest and head != section["mode"] and section["mode"] != "automatic"):
         return
     node = section
     for k in key.split(".")[:-1]:
