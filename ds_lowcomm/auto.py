@@ -17,8 +17,8 @@ measured                                        chosen
 ``r`` ≥ ``SLOW``, nodes whose inside link is    ``desloc``, ``shard_group_size`` = ranks per
 fast (``r`` inside a node < ``FAST``)           node, Kx the power of two ≥ 6·r in [16, 256],
                                                 each sync streamed behind Kx/4 local steps
-``r`` ≥ ``SLOW``, the user's ``desloc``         ``desloc``, every rank its own replica, Kx as
-``inner_optimizer`` is ``"muon"``               above
+``r`` ≥ ``SLOW``, the user's ``desloc``         ``desloc`` (a replica layout in the order
+``inner_optimizer`` is ``"muon"``               above, demo's last), the same picks
 ``r`` ≥ ``SLOW``, otherwise                     ``demo``, every rank its own replica, the
                                                 slow-link settings (top-256 of 64×64, sign)
 ==============================================  ===========================================
@@ -28,7 +28,8 @@ The optimizer is the user's: "automatic" never changes it. Muon is a local step 
 whose step is a sign of its own compressed momentum.
 
 A replica layout whose optimizer state would not fit in the device memory free after the first
-micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row.
+micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row; desloc's
+syncs stream only where the state they add fits too, else they are synchronous.
 
 (the bench's measurements behind each row: docs/automatic.md). A user's own keys in a mode's
 sub-object win over the picks, a ``shard_group_size`` limits the choice to the modes of that layout,
@@ -72,6 +73,9 @@ PROBE_SECONDS = 0.1
 #: bytes per parameter of a replica's optimizer state, before sharding: the fp32 master and
 #: DeMo's momentum and transmitted part, or DES-LOC's two moments and a sync's copy of the master
 STATE_BYTES = {"demo": 12, "desloc": 16}
+#: what streaming DES-LOC's syncs adds: the master at the launch and the buffer sent, and each
+#: moment's copy at the launch and its wire (modes/desloc.py)
+STREAM_BYTES = 24
 #: the share of the free device memory a replica layout's state may take
 MEMORY_SHARE = 0.8
 
@@ -100,10 +104,10 @@ class Measured:
     #: the user's ``desloc.inner_optimizer`` is "muon": on a slow link desloc comes before demo
     muon: bool = False
 
-    def fits(self, mode: str, shard_group_size: int) -> bool:
-        """Whether a replica's optimizer state, sharded over ``shard_group_size`` ranks, takes
-        at most ``MEMORY_SHARE`` of the free memory."""
-        need = self.numel * STATE_BYTES[mode] / shard_group_size
+    def fits(self, bytes_per_param: int, shard_group_size: int) -> bool:
+        """Whether a replica's optimizer state of ``bytes_per_param`` (before sharding), sharded
+        over ``shard_group_size`` ranks, takes at most ``MEMORY_SHARE`` of the free memory."""
+        need = self.numel * bytes_per_param / shard_group_size
         return self.free_bytes is None or need <= MEMORY_SHARE * self.free_bytes
 
     @property
@@ -152,20 +156,22 @@ def describe(choice: Choice) -> str:
     return choice.mode + (f" ({', '.join(settings)})" if settings else "")
 
 
-def desloc_picks(ratio: float) -> Dict[str, int]:
-    """Kx the power of two at or above 6·r, within [16, 256], the moments at 3·Kx and 6·Kx (the
-    shipped periods), and each sync streamed behind :func:`desloc_delay` local steps: a parameter
-    sync then costs about a sixth of its Kx steps' compute, which Kx/4 ≥ 1.5·r steps hide."""
+def desloc_picks(ratio: float, streamed: bool = True) -> Dict[str, int]:
+    """Kx the power of two at or above 6·r, within [16, 256], and the moments at 3·Kx and 6·Kx (the
+    shipped periods): a parameter sync then costs about a sixth of its Kx steps' compute. With
+    ``streamed``, each sync's all-reduce runs behind :func:`desloc_delay` local steps (Streaming
+    DiLoCo's overlap, arXiv 2501.18512): Kx/4 ≥ 1.5·r steps of compute hide a parameter sync up to
+    r ≈ 43 (Kx's cap), one that carries a moment too only in part."""
     kx = 2 ** max(4, min(8, math.ceil(math.log2(max(6 * ratio, 1.0)))))
     periods = {"param_sync_every": kx, "momentum_sync_every": 3 * kx, "variance_sync_every": 6 * kx}
-    return {**periods, "param_sync_delay": kx // 4}
+    return {**periods, "param_sync_delay": desloc_delay(kx)} if streamed else periods
 
 
-def desloc_delay(options) -> int:
-    """The ``param_sync_delay`` "automatic" streams ``options``' (DeslocOptions) syncs by: a quarter of
-    the parameter period that runs (the user's own, where set), 0 (synchronous) where the user's
-    compressed moment syncs ask for synchronous syncs (Streaming DiLoCo's overlap: arXiv 2501.18512)."""
-    return 0 if options.moment_sync_topk else options.param_sync_every // 4
+def desloc_delay(param_sync_every: int, moment_sync_topk: int = 0) -> int:
+    """The ``param_sync_delay`` "automatic" streams desloc's syncs by: a quarter of the parameter
+    period that runs (the user's own, where set); 0 (synchronous) with compressed moment syncs,
+    which cannot stream."""
+    return 0 if moment_sync_topk else param_sync_every // 4
 
 
 def choose(m: Measured, usable: Sequence[str]) -> Choice:
@@ -183,25 +189,28 @@ def choose(m: Measured, usable: Sequence[str]) -> Choice:
         if node_fast:
             numbers += f", inside a node {m.node_ratio:.2f}"
         nodes = 1 < per_node < w
-        # every rank its own replica: DeMo, unless the user's local step is Muon, which only desloc runs
-        own_replica = [("desloc", 1), ("demo", 1)] if m.muon else [("demo", 1), ("desloc", 1)]
         if fixed is not None:
-            layouts = [("desloc", fixed), ("demo", fixed)] if fixed > 1 else own_replica
+            layouts = [("desloc", fixed), ("demo", fixed)] if fixed > 1 else [("demo", 1), ("desloc", 1)]
         else:  # a node's fast link shards the state; else every rank its own replica; a node if that does not fit
-            layouts = ([("desloc", per_node)] if nodes and node_fast else []) + own_replica + \
+            layouts = ([("desloc", per_node)] if nodes and node_fast else []) + [("demo", 1), ("desloc", 1)] + \
                 ([("desloc", per_node)] if nodes and not node_fast else [])
+        if m.muon:  # the user's local step is Muon, which only desloc runs: demo last
+            layouts = [lay for lay in layouts if lay[0] == "desloc"] + [lay for lay in layouts if lay[0] == "demo"]
         for mode, size in layouts:
             if mode not in usable:
                 continue
-            if not m.fits(mode, size):
+            if not m.fits(STATE_BYTES[mode], size):
                 too_big.append(f"{mode} with replicas of {size} rank(s) would not fit in memory")
                 continue
             replicas = "every rank its own replica" if size == 1 else f"replicas of {size} ranks"
             numbers += "".join(f"; {why}" for why in too_big)
             if mode == "demo":
                 return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
+            streamed = m.fits(STATE_BYTES[mode] + STREAM_BYTES, size)
+            how = "" if streamed else " (synchronous: streamed syncs would not fit in memory)"
             muon = ", Muon as the local step (desloc.inner_optimizer)" if m.muon else ""
-            return Choice("desloc", size, desloc_picks(r), f"{numbers}: {replicas} sync every few dozen steps{muon}")
+            return Choice("desloc", size, desloc_picks(r, streamed),
+                          f"{numbers}: {replicas} sync every few dozen steps{how}{muon}")
         if not sharded:
             raise LowCommConfigError(
                 f"lowcomm.mode: 'automatic' found no mode to run with lowcomm.shard_group_size {fixed} "

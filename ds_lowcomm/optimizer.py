@@ -243,6 +243,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if choice.shard_group_size is not None and world % choice.shard_group_size:
             choice = dataclasses.replace(choice, shard_group_size=math.gcd(choice.shard_group_size, world))
         config = self._config_for(choice)
+        choice = dataclasses.replace(choice, options={k: getattr(config.mode_options, k) for k in choice.options})
         error = self.config.check_mode(choice.mode, config.mode_options, choice.shard_group_size or world)
         if error is not None:
             raise CheckpointError(f"this checkpoint was written in mode {choice.mode!r}, which \"mode\": \"automatic\" "
@@ -279,9 +280,11 @@ class LowCommOptimizer(torch.optim.Optimizer):
         mine = self.config.options_by_mode[choice.mode]
         given = self.config.given_by_mode[choice.mode]
         options = dataclasses.replace(mine, **{k: v for k, v in choice.options.items() if k not in given})
-        if choice.mode == "desloc" and "param_sync_delay" in choice.options and "param_sync_delay" not in given:
-            # streamed behind a quarter of the period that runs: the user's own Kx may be shorter
-            options = dataclasses.replace(options, param_sync_delay=desloc_delay(options))
+        # streamed (a delay picked: a checkpoint of before streaming recorded none, and resumes
+        # synchronous as it ran) behind a quarter of the period that runs: the user's own Kx may be shorter
+        if choice.mode == "desloc" and choice.options.get("param_sync_delay") and "param_sync_delay" not in given:
+            options = dataclasses.replace(options, param_sync_delay=desloc_delay(options.param_sync_every,
+                                                                                 options.moment_sync_topk))
         return dataclasses.replace(self.config, mode=choice.mode, mode_options=options,
                                    shard_group_size=choice.shard_group_size)
 

@@ -56,6 +56,14 @@ TABLE = [
     (_measured(10.0, muon=True), ["zero1", "acco", "demo"], "demo", 1, None),
     (_measured(10.0, world=4, per_node=2, node_ratio=0.1, muon=True), ALL, "desloc", 2, None),
     (_measured(1.0, muon=True), ALL, "acco", None, {}),
+    # 7B, 120 GB free, nodes of 8 whose own link is slow: a whole replica's desloc state (112 GB)
+    # does not fit, DeMo's (84 GB) would; with Muon desloc on a node's ranks comes first (14 GB,
+    # 31.5 streamed)
+    (_measured(10.0, world=16, per_node=8, node_ratio=5.0, free_gb=120, muon=True), ALL, "desloc", 8,
+     {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384, "param_sync_delay": 16}),
+    # 30 GB free: desloc on a node of 8 fits (14 GB), its streamed syncs' copies (31.5 GB) do not
+    (_measured(10.0, world=16, per_node=8, node_ratio=0.1, free_gb=30), ALL, "desloc", 8,
+     {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}),
     (_measured(0.05, muon=True), ALL, "zero1", None, {}),
 ]
 
@@ -71,6 +79,8 @@ def test_the_choice_table(i):
     assert f"{measured.ratio:.2f} steps of compute" in choice.reason
     if measured.free_bytes is not None and (mode, size) != ("demo", 1):
         assert "would not fit in memory" in choice.reason
+    assert ("synchronous: streamed syncs would not fit" in choice.reason) == (
+        mode == "desloc" and "param_sync_delay" not in choice.options)
     assert ("Muon as the local step" in choice.reason) == (measured.muon and mode == "desloc")
 
 
@@ -80,9 +90,9 @@ def test_desloc_picks_and_no_mode_left():
     assert desloc_picks(10) == {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384,
                                 "param_sync_delay": 16}
     # streamed behind a quarter of the period that runs; compressed moment syncs are synchronous
-    options = MODES["desloc"].Options
-    assert [desloc_delay(options(param_sync_every=kx)) for kx in (1, 3, 4, 8, 64, 256)] == [0, 0, 1, 2, 16, 64]
-    assert desloc_delay(options(param_sync_every=64, moment_sync_topk=4)) == 0
+    assert [desloc_delay(kx) for kx in (1, 3, 4, 8, 64, 256)] == [0, 0, 1, 2, 16, 64]
+    assert desloc_delay(64, moment_sync_topk=4) == 0
+    assert "param_sync_delay" not in desloc_picks(10, streamed=False)
     with pytest.raises(LowCommConfigError, match="found no mode"):
         choose(_measured(10.0, world=4, shard_group_size=2), ["zero1", "acco"])
 
@@ -148,8 +158,16 @@ AUTO_CASES = {
     # the user's compressed moment syncs are synchronous: no streaming (else desloc would be refused)
     "desloc-moments": (2, 2, {"desloc": {"inner_optimizer": "muon", "param_sync_every": 4, "momentum_sync_every": 4,
                                          "moment_sync_topk": 8}}, "slow", ("desloc", 1)),
+    # the user's own delay wins
+    "desloc-own-delay": (2, 2, {"desloc": {"inner_optimizer": "muon", "param_sync_every": 4, "param_sync_delay": 2}},
+                         "slow", ("desloc", 1)),
     "desloc-nodes": (4, 2, {}, "nodes", ("desloc", 2)),
 }
+
+
+#: the streaming delay each case with the user's Kx 4 runs: a quarter of it, none with compressed
+#: moment syncs, the user's own
+DELAYS = {"desloc-muon": 1, "desloc-moments": 0, "desloc-own-delay": 2}
 
 
 def _link(kind):
@@ -214,7 +232,8 @@ def test_auto_trains_as_the_mode_it_chose(case):
     choice on the whole world's layout, carries into the chosen one, and the run equals the chosen
     mode set by hand, bit for bit."""
     world, _, _, _, expected = AUTO_CASES[case]
-    results = run_ranks(_auto_vs_fixed, world, case, 6)
+    # the cases with a sync (at step 4) run past it, the others 3 steps
+    results = run_ranks(_auto_vs_fixed, world, case, 6 if case.startswith("desloc-") and case != "desloc-nodes" else 3)
     for r in results:
         l_auto, l_fixed = r["losses"]
         assert l_auto == l_fixed
@@ -230,9 +249,9 @@ def test_auto_trains_as_the_mode_it_chose(case):
     if case == "desloc-nodes":  # r is far past 6 x 256
         assert chosen["options"]["param_sync_every"] == 256 and chosen["options"]["param_sync_delay"] == 64
         assert results[0]["digests"][0] == results[1]["digests"][0] != results[2]["digests"][0]  # 2 replicas
-    if case.startswith("desloc-m"):  # a sync at step 4, streamed (applied at step 5) or not
+    if case in DELAYS:  # a sync at step 4, streamed or not
         assert chosen["options"]["param_sync_every"] == 4
-        assert chosen["options"]["param_sync_delay"] == (1 if case == "desloc-muon" else 0)
+        assert chosen["options"]["param_sync_delay"] == DELAYS[case]
     if case == "acco":
         assert any("would now choose demo" in m for m in results[0]["logged"]), results[0]["logged"]
         assert not any("would now choose" in m for m in results[1]["logged"])  # rank 0 alone re-checks
@@ -270,6 +289,42 @@ def test_auto_resumes_in_the_checkpoints_mode(tmp_path, first_mode):
             assert r["chosen"]["options"]["topk"] == 256 and r["chosen"]["shard_group_size"] == 1
         else:
             assert r["chosen"]["shard_group_size"] is None and math.isfinite(l_resumed[-1])
+
+
+def _resume_streamed(rank, world, save_dir, first_delay):
+    """"automatic"'s desloc (the user's Muon and Kx 4 on a slow link: streamed a step behind),
+    saved at step 4 with that step's sync in flight, resumed by "automatic" with the same config;
+    ``first_delay``: the user's own param_sync_delay in the run that saves (None: "automatic"'s),
+    the straight run's too."""
+    _link("slow")
+    own = {"inner_optimizer": "muon", "param_sync_every": 4}
+    first_own = own if first_delay is None else {**own, "param_sync_delay": first_delay}
+    first_cfg = workers.config("automatic", desloc=first_own)
+    straight = workers.build_engine(first_cfg)
+    l_straight = workers.train(straight, 6, rank=rank)
+    first = workers.build_engine(first_cfg)
+    l_resumed = workers.train(first, 4, rank=rank)
+    first.save_checkpoint(save_dir)
+    second = workers.build_engine(workers.config("automatic", desloc=own), seed=123)
+    second.load_checkpoint(save_dir)
+    l_resumed += workers.train(second, 2, start=4, rank=rank)
+    return dict(losses=(l_straight, l_resumed), digests=[workers.params_digest(e) for e in (straight, second)],
+                chosen=[e.comm_stats()["automatic"] for e in (straight, second)])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("first_delay", [None, 0])
+def test_auto_resumes_a_streamed_sync_in_flight(tmp_path, first_delay):
+    """A checkpoint of "automatic"'s streamed desloc, saved with a sync in flight, resumes exactly
+    (the sync applied at the step it would have been); one whose recorded picks stream nothing (the
+    user's delay 0 there, as a checkpoint of before streaming recorded none) resumes synchronous, as
+    it ran, though this config would stream."""
+    for r in run_ranks(_resume_streamed, 2, str(tmp_path), first_delay):
+        l_straight, l_resumed = r["losses"]
+        assert l_resumed == l_straight
+        assert r["digests"][0] == r["digests"][1]
+        want = 1 if first_delay is None else first_delay
+        assert [c["options"]["param_sync_delay"] for c in r["chosen"]] == [want, want]
 
 
 def _save_before_choosing(rank, world, save_dir):

@@ -137,10 +137,14 @@ def test_bench_runs_one_mode_at_several_settings(tmp_path, capsys):
     # desloc_slow_link.json's periods (64, 192, 384), --set's 16, then each entry's own
     assert [(d["param_sync_every"], d["param_sync_delay"]) for d in desloc] == [(16, 12), (16, 4), (32, 8)]
     assert {d["momentum_sync_every"] for d in desloc} == {192}
-    # an automatic entry takes a mode's options as the user's own keys in that mode's sub-object
-    auto = cli.parse_args(["--modes", "automatic:desloc.inner_optimizer=muon", "--regime", "slow", "--out", str(tmp_path)])
-    lowcomm = json.loads(write_config(auto.mode_list[0], auto, tmp_path, 10).read_text())["lowcomm"]
-    assert lowcomm["mode"] == "automatic" and lowcomm["desloc"] == {"inner_optimizer": "muon"}
+    # an automatic entry, or --set, puts a mode's options into that mode's sub-object (the user's
+    # own keys there); the other modes' configs keep theirs
+    auto = cli.parse_args(["--modes", "automatic:desloc.inner_optimizer=muon,automatic,demo", "--regime", "slow",
+                           "--set", "desloc.param_sync_every=32", "--out", str(tmp_path)])
+    written = [json.loads(write_config(e, auto, tmp_path, 10).read_text())["lowcomm"] for e in auto.mode_list]
+    assert [w["mode"] for w in written] == ["automatic", "automatic", "demo"]
+    assert written[0]["desloc"] == {"param_sync_every": 32, "inner_optimizer": "muon"}
+    assert written[1]["desloc"] == {"param_sync_every": 32} and "desloc" not in written[2]
     for argv, message in [
             (["--modes", "zero1,desloc:demo.topk=8"], "--modes desloc:demo.topk=8: demo.topk is not an option of "
                                                       "its config (it runs desloc)"),

@@ -161,7 +161,8 @@ def parse_args(argv=None):
                 continue
             head = key.split(".")[0]
             # an automatic config takes every mode's options, as the user's own keys for that mode
-            if runs_modes[entry] is None or ("." in key and head != runs_modes[entry] != "automatic"):
+            if runs_modes[entry] is None or ("." in key and head != runs_modes[entry]
+                                             and runs_modes[entry] != "automatic"):
                 ap.error(f"--modes {entry}: {key} is not an option of its config (it runs "
                          f"{runs_modes[entry] or 'no lowcomm section'}); drop it"
                          + (f", or put it on a {head} mode" if "." in key else ""))
