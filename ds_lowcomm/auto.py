@@ -207,7 +207,7 @@ def choose(m: Measured, usable: Sequence[str]) -> Choice:
             if mode == "demo":
                 return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
             streamed = m.fits(STATE_BYTES[mode] + STREAM_BYTES, size)
-            how = "" if streamed else " (synchronous: streamed syncs would not fit in memory)"
+            how = "" if streamed else " (no streaming picked: its buffers would not fit in memory)"
             muon = ", Muon as the local step (desloc.inner_optimizer)" if m.muon else ""
             return Choice("desloc", size, desloc_picks(r, streamed),
                           f"{numbers}: {replicas} sync every few dozen steps{how}{muon}")

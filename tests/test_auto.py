@@ -58,10 +58,10 @@ TABLE = [
     (_measured(1.0, muon=True), ALL, "acco", None, {}),
     # 7B, 120 GB free, nodes of 8 whose own link is slow: a whole replica's desloc state (112 GB)
     # does not fit, DeMo's (84 GB) would; with Muon desloc on a node's ranks comes first (14 GB,
-    # 31.5 streamed)
+    # 35 streamed)
     (_measured(10.0, world=16, per_node=8, node_ratio=5.0, free_gb=120, muon=True), ALL, "desloc", 8,
      {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384, "param_sync_delay": 16}),
-    # 30 GB free: desloc on a node of 8 fits (14 GB), its streamed syncs' copies (31.5 GB) do not
+    # 30 GB free: desloc on a node of 8 fits (14 GB), its streamed syncs' copies (35 GB) do not
     (_measured(10.0, world=16, per_node=8, node_ratio=0.1, free_gb=30), ALL, "desloc", 8,
      {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}),
     (_measured(0.05, muon=True), ALL, "zero1", None, {}),
@@ -79,7 +79,7 @@ def test_the_choice_table(i):
     assert f"{measured.ratio:.2f} steps of compute" in choice.reason
     if measured.free_bytes is not None and (mode, size) != ("demo", 1):
         assert "would not fit in memory" in choice.reason
-    assert ("synchronous: streamed syncs would not fit" in choice.reason) == (
+    assert ("no streaming picked: its buffers would not fit" in choice.reason) == (
         mode == "desloc" and "param_sync_delay" not in choice.options)
     assert ("Muon as the local step" in choice.reason) == (measured.muon and mode == "desloc")
 
@@ -291,21 +291,21 @@ def test_auto_resumes_in_the_checkpoints_mode(tmp_path, first_mode):
             assert r["chosen"]["shard_group_size"] is None and math.isfinite(l_resumed[-1])
 
 
-def _resume_streamed(rank, world, save_dir, first_delay):
+def _resume_streamed(rank, world, save_dir, first_delay, resume_delay):
     """"automatic"'s desloc (the user's Muon and Kx 4 on a slow link: streamed a step behind),
-    saved at step 4 with that step's sync in flight, resumed by "automatic" with the same config;
-    ``first_delay``: the user's own param_sync_delay in the run that saves (None: "automatic"'s),
-    the straight run's too."""
+    saved at step 4 with that step's sync in flight, resumed by "automatic"; ``first_delay``: the
+    user's own param_sync_delay in the run that saves and the straight run (None: "automatic"'s),
+    ``resume_delay`` in the run that resumes."""
     _link("slow")
     own = {"inner_optimizer": "muon", "param_sync_every": 4}
-    first_own = own if first_delay is None else {**own, "param_sync_delay": first_delay}
-    first_cfg = workers.config("automatic", desloc=first_own)
+    with_delay = lambda delay: own if delay is None else {**own, "param_sync_delay": delay}  # noqa: E731
+    first_cfg = workers.config("automatic", desloc=with_delay(first_delay))
     straight = workers.build_engine(first_cfg)
     l_straight = workers.train(straight, 6, rank=rank)
     first = workers.build_engine(first_cfg)
     l_resumed = workers.train(first, 4, rank=rank)
     first.save_checkpoint(save_dir)
-    second = workers.build_engine(workers.config("automatic", desloc=own), seed=123)
+    second = workers.build_engine(workers.config("automatic", desloc=with_delay(resume_delay)), seed=123)
     second.load_checkpoint(save_dir)
     l_resumed += workers.train(second, 2, start=4, rank=rank)
     return dict(losses=(l_straight, l_resumed), digests=[workers.params_digest(e) for e in (straight, second)],
@@ -313,18 +313,21 @@ def _resume_streamed(rank, world, save_dir, first_delay):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("first_delay", [None, 0])
-def test_auto_resumes_a_streamed_sync_in_flight(tmp_path, first_delay):
+@pytest.mark.parametrize("first_delay,resume_delay", [(None, None), (0, None), (2, None), (None, 0)])
+def test_auto_resumes_a_streamed_sync_in_flight(tmp_path, first_delay, resume_delay):
     """A checkpoint of "automatic"'s streamed desloc, saved with a sync in flight, resumes exactly
-    (the sync applied at the step it would have been); one whose recorded picks stream nothing (the
-    user's delay 0 there, as a checkpoint of before streaming recorded none) resumes synchronous, as
-    it ran, though this config would stream."""
-    for r in run_ranks(_resume_streamed, 2, str(tmp_path), first_delay):
+    (the sync applied at the step it would have been). The delay recorded runs again, not fitted
+    anew: a checkpoint that streamed nothing (the user's delay 0 there, as one of before streaming
+    recorded none) resumes synchronous, and the user's own 2 stays 2, where this config would
+    stream a step behind. The resuming config's own delay wins, and is what is reported."""
+    for r in run_ranks(_resume_streamed, 2, str(tmp_path), first_delay, resume_delay):
         l_straight, l_resumed = r["losses"]
-        assert l_resumed == l_straight
-        assert r["digests"][0] == r["digests"][1]
-        want = 1 if first_delay is None else first_delay
-        assert [c["options"]["param_sync_delay"] for c in r["chosen"]] == [want, want]
+        ran = 1 if first_delay is None else first_delay
+        if resume_delay is None:
+            assert l_resumed == l_straight
+            assert r["digests"][0] == r["digests"][1]
+        assert [c["options"]["param_sync_delay"] for c in r["chosen"]] == [ran, ran if resume_delay is None
+                                                                          else resume_delay]
 
 
 def _save_before_choosing(rank, world, save_dir):
