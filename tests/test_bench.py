@@ -524,3 +524,19 @@ def test_bench_keeps_a_failed_runs_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"^run: training exited with 3:"):
         _follow(proc, "run", log, quiet=True)
     assert log.read_text().splitlines() == ["step 1/2 | loss 5.0", "Traceback: boom"]
+    # the one-line message names the run's own error: the last line naming one, torchrun's
+    # closing ChildFailedError passed over
+    from ds_lowcomm.bench.runs import last_error
+    torchrun = ("step 2/2 | loss 4.9\n[rank1]: Traceback (most recent call last):\n"
+                "[rank1]:   File \"finetune_hf.py\", line 3, in <module>\n"
+                "[rank1]: RuntimeError: Connection closed by peer\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                "============================================================\n")
+    assert last_error(torchrun) == "[rank1]: RuntimeError: Connection closed by peer"
+    assert last_error("error: --resume: no checkpoint in ckpt/\n") == "error: --resume: no checkpoint in ckpt/"
+    assert last_error("step 1/2 | loss 5.0\n") == ""
+    script = script.replace("Traceback: boom", "ValueError: boom")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    with pytest.raises(RuntimeError, match=r"^run: training exited with 3: ValueError: boom\n"):
+        _follow(proc, "run", log, quiet=True)

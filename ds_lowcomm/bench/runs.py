@@ -361,8 +361,26 @@ def _follow(proc: subprocess.Popen, label: str, log: Path, quiet: bool = False) 
     text = "".join(lines)
     log.write_text(text)
     if proc.returncode != 0:
-        raise RuntimeError(f"{label}: training exited with {proc.returncode}:\n{text[-4000:]}")
+        why = last_error(text)
+        raise RuntimeError(f"{label}: training exited with {proc.returncode}:{' ' + why if why else ''}\n"
+                           f"{text[-4000:]}")
     return text
+
+
+#: a line that names an error: a Python exception (``ValueError: ...``, torchrun's ``[rank1]:``
+#: prefix allowed) or a script's ``error: ...``
+ERROR_LINE = re.compile(r"^(\[[^\]]*\]:?\s*)?([\w.]*(Error|Exception|Interrupt)\b.*|error: .*)$")
+
+
+def last_error(output: str) -> str:
+    """The last line of a run's ``output`` that names an error, for the bench's one-line failure
+    message; torchrun's own closing ``ChildFailedError`` (which only says that a worker failed) is
+    passed over. '' when there is none."""
+    for line in reversed(output.splitlines()):
+        line = line.strip()
+        if ERROR_LINE.match(line) and "ChildFailedError" not in line:
+            return line
+    return ""
 
 
 def _result(output: str, label: str) -> dict:
