@@ -261,7 +261,13 @@ class LowCommOptimizer(torch.optim.Optimizer):
         usable, refused = list(MODES), []
         while True:
             choice = choose(measured, usable)
-            config = self._config_for(choice, fit_delay=True)
+            config = self._config_for(choice)
+            options, given = config.mode_options, self.config.given_by_mode[choice.mode]
+            if choice.options.get("param_sync_delay") and "param_sync_delay" not in given:
+                # desloc streamed: behind a quarter of the period that runs (the user's own Kx may be
+                # shorter; their compressed moment syncs cannot stream); a resume runs what was recorded
+                config = dataclasses.replace(config, mode_options=dataclasses.replace(
+                    options, param_sync_delay=desloc_delay(options.param_sync_every, options.moment_sync_topk)))
             # what runs: auto's picks as the user's own keys left them
             choice = dataclasses.replace(choice, options={k: getattr(config.mode_options, k) for k in choice.options})
             error = self.config.check_mode(choice.mode, config.mode_options,
@@ -276,18 +282,11 @@ class LowCommOptimizer(torch.optim.Optimizer):
             usable.remove(choice.mode)
             refused.append(f"{choice.mode} refused: {error}")
 
-    def _config_for(self, choice: Choice, fit_delay: bool = False) -> LowCommConfig:
-        """The config of the chosen mode: auto's picks under the user's own keys in its sub-object;
-        with ``fit_delay`` (a fresh choice), desloc's streaming delay, where picked and not the
-        user's own, fitted to the period that runs (:func:`~ds_lowcomm.auto.desloc_delay`: the
-        user's own Kx may be shorter, their compressed moment syncs cannot stream)."""
+    def _config_for(self, choice: Choice) -> LowCommConfig:
+        """The config of the chosen mode: auto's picks under the user's own keys in its sub-object."""
         mine = self.config.options_by_mode[choice.mode]
         given = self.config.given_by_mode[choice.mode]
         options = dataclasses.replace(mine, **{k: v for k, v in choice.options.items() if k not in given})
-        if fit_delay and choice.mode == "desloc" and choice.options.get("param_sync_delay") and \
-                "param_sync_delay" not in given:
-            options = dataclasses.replace(options, param_sync_delay=desloc_delay(options.param_sync_every,
-                                                                                 options.moment_sync_topk))
         return dataclasses.replace(self.config, mode=choice.mode, mode_options=options,
                                    shard_group_size=choice.shard_group_size)
 

@@ -534,9 +534,25 @@ def test_bench_keeps_a_failed_runs_log(tmp_path):
                 "============================================================\n")
     assert last_error(torchrun) == "[rank1]: RuntimeError: Connection closed by peer"
     assert last_error("error: --resume: no checkpoint in ckpt/\n") == "error: --resume: no checkpoint in ckpt/"
+    assert last_error("usage: train.py [-h]\ntrain.py: error: unrecognized arguments: --gas 2\n") == \
+        "train.py: error: unrecognized arguments: --gas 2"
     assert last_error("step 1/2 | loss 5.0\n") == ""
     script = script.replace("Traceback: boom", "ValueError: boom")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     with pytest.raises(RuntimeError, match=r"^run: training exited with 3: ValueError: boom\n"):
         _follow(proc, "run", log, quiet=True)
+
+
+@pytest.mark.ranks
+def test_checkpoint_bench_names_a_failed_runs_error(tmp_path):
+    """The checkpoint bench's failure message names the run's own last error too: here its
+    worker's flags, refused by the worker itself under torchrun."""
+    from ds_lowcomm.bench import checkpoint
+    from ds_lowcomm.bench.link import Link
+
+    args = checkpoint.parse_args(["--model", "tiny", "--out", str(tmp_path)])
+    args.model = "no-such-model"
+    with pytest.raises(RuntimeError, match=r"^zero1: exited with \d+: .*error: argument --model: invalid choice: "
+                                           r"'no-such-model'.*; log: "):
+        checkpoint.run_config(args, "zero1", Link(None, None), tmp_path, 0)

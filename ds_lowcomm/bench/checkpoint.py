@@ -51,7 +51,7 @@ from typing import List, Optional
 
 from ds_lowcomm import configs
 from ds_lowcomm.bench.link import Link, free_port
-from ds_lowcomm.bench.runs import run_env
+from ds_lowcomm.bench.runs import last_error, run_env
 
 PROG = "python -m ds_lowcomm.bench.checkpoint"
 CONFIGS = {"deepspeed": "deepspeed_zero1.json", "zero1": "zero1.json", "acco": "acco_zero1.json",
@@ -281,7 +281,9 @@ def run_config(args, label: str, link: Link, out: Path, rep: int) -> dict:
             raise RuntimeError(f"{label}: no result within --timeout {args.timeout} s; log: {log}")
     text = log.read_text()
     if proc.returncode != 0:
-        raise RuntimeError(f"{label}: exited with {proc.returncode}; log: {log}\n{text[-3000:]}")
+        why = last_error(text)
+        raise RuntimeError(f"{label}: exited with {proc.returncode}{': ' + why if why else ''}; log: {log}\n"
+                           f"{text[-3000:]}")
     lines = [l for l in text.splitlines() if l.startswith(RESULT_TAG)]
     if not lines:
         raise RuntimeError(f"{label}: no result line; log: {log}\n{text[-3000:]}")

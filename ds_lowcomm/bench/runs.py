@@ -367,14 +367,14 @@ def _follow(proc: subprocess.Popen, label: str, log: Path, quiet: bool = False) 
     return text
 
 
-#: a line that names an error: a Python exception (``ValueError: ...``, torchrun's ``[rank1]:``
-#: prefix allowed) or a script's ``error: ...``
-ERROR_LINE = re.compile(r"^(\[[^\]]*\]:?\s*)?([\w.]*(Error|Exception|Interrupt)\b.*|error: .*)$")
+#: a line that names an error: a Python exception (``ValueError: ...``) or a script's ``error: ...``
+#: (argparse's ``prog: error: ...`` too), torchrun's ``[rank1]:`` prefix allowed
+ERROR_LINE = re.compile(r"^(\[[^\]]*\]:?\s*)?([\w.]*(Error|Exception|Interrupt)\b.*|([^\s:][^:]*: )?error: .*)$")
 
 
 def last_error(output: str) -> str:
-    """The last line of a run's ``output`` that names an error, for the bench's one-line failure
-    message; torchrun's own closing ``ChildFailedError`` (which only says that a worker failed) is
+    """The last line of a run's ``output`` that names an error, for the benches' one-line failure
+    messages; torchrun's own closing ``ChildFailedError`` (which only says that a worker failed) is
     passed over. '' when there is none."""
     for line in reversed(output.splitlines()):
         line = line.strip()
