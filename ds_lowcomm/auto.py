@@ -50,7 +50,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,16 +66,10 @@ SLOW = 3.0
 UNEVEN = 1.5
 #: the first probe all-reduce: 64 KiB, about 40 ms at 25 Mbit/s
 FIRST_PROBE_BYTES = 64 << 10
-#: a larger probe, of up to 1 MiB, runs where the first says it takes at most PROBE_SECONDS
+#: the probes double from the first up to this size, until one takes longer than PROBE_SECONDS
 PROBE_BYTES = 1 << 20
 PROBE_SECONDS = 0.1
 
-#: bytes per parameter of a replica's optimizer state, before sharding: the fp32 master and
-#: DeMo's momentum and transmitted part, or DES-LOC's two moments and a sync's copy of the master
-STATE_BYTES = {"demo": 12, "desloc": 16}
-#: what streaming DES-LOC's syncs adds: the master at the launch and the buffer sent, and each
-#: moment's copy at the launch and its wire (modes/desloc.py)
-STREAM_BYTES = 24
 #: the share of the free device memory a replica layout's state may take
 MEMORY_SHARE = 0.8
 
@@ -103,12 +97,17 @@ class Measured:
     free_bytes: Optional[float] = None
     #: the user's ``desloc.inner_optimizer`` is "muon": on a slow link desloc comes before demo
     muon: bool = False
+    #: ``(mode, shard_group_size, streamed)`` → bytes per parameter of one rank's optimizer state
+    #: with the user's options (:meth:`~ds_lowcomm.modes.base.Mode.state_bytes`; ``streamed``:
+    #: desloc's syncs streamed); needed where ``free_bytes`` is set
+    state_bytes: Optional[Callable[[str, int, bool], float]] = None
 
-    def fits(self, bytes_per_param: int, shard_group_size: int) -> bool:
-        """Whether a replica's optimizer state of ``bytes_per_param`` (before sharding), sharded
-        over ``shard_group_size`` ranks, takes at most ``MEMORY_SHARE`` of the free memory."""
-        need = self.numel * bytes_per_param / shard_group_size
-        return self.free_bytes is None or need <= MEMORY_SHARE * self.free_bytes
+    def fits(self, mode: str, shard_group_size: int, streamed: bool = False) -> bool:
+        """Whether ``mode``'s optimizer state on shards of ``shard_group_size`` ranks takes at
+        most ``MEMORY_SHARE`` of the free memory."""
+        if self.free_bytes is None:
+            return True
+        return self.numel * self.state_bytes(mode, shard_group_size, streamed) <= MEMORY_SHARE * self.free_bytes
 
     @property
     def compute_s(self) -> float:
@@ -199,14 +198,14 @@ def choose(m: Measured, usable: Sequence[str]) -> Choice:
         for mode, size in layouts:
             if mode not in usable:
                 continue
-            if not m.fits(STATE_BYTES[mode], size):
+            if not m.fits(mode, size):
                 too_big.append(f"{mode} with replicas of {size} rank(s) would not fit in memory")
                 continue
             replicas = "every rank its own replica" if size == 1 else f"replicas of {size} ranks"
             numbers += "".join(f"; {why}" for why in too_big)
             if mode == "demo":
                 return Choice("demo", size, dict(DEMO_SLOW_LINK), f"{numbers}: compressed momentum, {replicas}")
-            streamed = m.fits(STATE_BYTES[mode] + STREAM_BYTES, size)
+            streamed = m.fits(mode, size, streamed=True)
             how = "" if streamed else " (no streaming picked: its buffers would not fit in memory)"
             muon = ", Muon as the local step (desloc.inner_optimizer)" if m.muon else ""
             return Choice("desloc", size, desloc_picks(r, streamed),
@@ -252,22 +251,30 @@ def _timed_all_reduce(group, numel: int, device: torch.device, repeats: int = 2)
 def predict_sync_s(group, model_numel: int, device: torch.device, control) -> float:
     """One fp32 all-reduce of ``model_numel`` elements on ``group``, predicted from timed probes and
     extrapolated linearly in bytes: tiny ones (latency; the first also opens a lazily created
-    communicator), one of up to ``FIRST_PROBE_BYTES``, and, where the link is fast enough that a
-    larger probe takes at most ``PROBE_SECONDS``, one of up to ``PROBE_BYTES`` (the ranks agree on
-    its size over ``control``, a gloo group, so that every rank issues the same collectives).
-    Collective over ``group``: at most about 2·(2·64 KiB + 1 MiB) bytes sent per rank; the device
-    is synchronized around each probe (once per run, before training's first gradient leaves the
+    communicator), then probes from ``FIRST_PROBE_BYTES`` doubling up to ``PROBE_BYTES`` (or the
+    model) until one takes longer than ``PROBE_SECONDS`` on some rank (the ranks agree on each time
+    over ``control``, a gloo group, so that every rank issues the same collectives). After such a
+    probe one of half its size runs back to back, and its time counts: a link shaped by a token
+    bucket lets its burst through at once, and the probe that outran the burst still rode on part
+    of it, which reads the link faster than it is; the next finds the bucket empty.
+    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link, and on a slow
+    one about 1.5 times what it sends in ``PROBE_SECONDS`` after any burst; the device is
+    synchronized around each probe (once per run, before training's first gradient leaves the
     rank)."""
     _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
     small = _timed_all_reduce(group, 16, device)
-    numel = max(16, min(model_numel, FIRST_PROBE_BYTES // 4))
-    per_element = max(_timed_all_reduce(group, numel, device) - small, 0.0) / numel
-    # the larger probe only where it is quick: on a slow link the small one already measures bytes
-    slowest = agree([per_element], control, op=dist.ReduceOp.MAX)[0]
-    larger = min(model_numel, PROBE_BYTES // 4, int(PROBE_SECONDS / slowest) if slowest > 0 else PROBE_BYTES // 4)
-    if larger > 2 * numel:
-        per_element = max(_timed_all_reduce(group, larger, device, repeats=1) - small, 0.0) / larger
-    return small + per_element * model_numel
+    cap = max(16, min(model_numel, PROBE_BYTES // 4))
+    numel = min(cap, FIRST_PROBE_BYTES // 4)
+    while True:  # each probe twice the last, until one is slow enough to time bytes, not latency
+        seconds = _timed_all_reduce(group, numel, device, repeats=1)
+        slowest = agree([seconds], control, op=dist.ReduceOp.MAX)[0]
+        if slowest > PROBE_SECONDS or numel == cap:
+            break
+        numel = min(2 * numel, cap)
+    if slowest > PROBE_SECONDS:
+        numel = max(16, numel // 2)
+        seconds = _timed_all_reduce(group, numel, device, repeats=1)
+    return small + max(seconds - small, 0.0) / numel * model_numel
 
 
 def agree(values: Sequence[float], control, op=dist.ReduceOp.SUM) -> list:

@@ -191,7 +191,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
             free = min(agree([mine if r == rank else math.inf for r in range(world)], control, op=dist.ReduceOp.MIN))
         measured = Measured(world, local, per_rank, probe(topo) if world > 1 else 0.0,
                             shard_group_size=self.config.shard_group_size, numel=self.flat.layout.numel,
-                            free_bytes=free, muon=self.config.options_by_mode["desloc"].inner_optimizer == "muon")
+                            free_bytes=free, muon=self.config.options_by_mode["desloc"].inner_optimizer == "muon",
+                            state_bytes=self._state_bytes)
         node_topology = None
         if measured.needs_node_probe():
             node_topology = Topology.build(local, self.config.collective_timeout_s, self.stats, control=topo.control)
@@ -254,6 +255,14 @@ class LowCommOptimizer(torch.optim.Optimizer):
         if self.topology.rank == 0:
             logger.warning(f"ds_lowcomm: mode automatic resumes in {describe(choice)}, {choice.reason} (its state "
                            f"carries over; automatic chooses only at a fresh start)")
+
+    def _state_bytes(self, mode: str, shard_group_size: int, streamed: bool) -> float:
+        """``mode``'s optimizer state per parameter on a rank, with the user's options for it
+        (their own ``param_sync_delay`` wins over ``streamed``)."""
+        options = self.config.options_by_mode[mode]
+        if mode == "desloc" and "param_sync_delay" not in self.config.given_by_mode[mode]:
+            options = dataclasses.replace(options, param_sync_delay=1 if streamed else 0)
+        return MODES[mode].state_bytes(options, shard_group_size)
 
     def _pick(self, measured: Measured):
         """(choice, its concrete config, the candidates refused and why): :func:`choose` over the

@@ -1,6 +1,12 @@
 """"mode": "automatic": the choice table, the probes on real ranks, and runs that choose, train and
 resume exactly as the chosen mode set by hand does."""
+import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +17,28 @@ from ds_lowcomm.auto import Measured, choose, desloc_delay, desloc_picks
 from ds_lowcomm.config import LowCommConfigError, parse
 from ds_lowcomm.modes import MODES
 
+ROOT = Path(__file__).resolve().parents[1]
+
 ALL = list(MODES)
 
 
+def _state_bytes(desloc, stream):
+    """Bytes per parameter on a rank, written out from docs/benchmarks.md's "Memory per GPU": DeMo
+    24 (its master, δ and gradient shard, and as much again in a step), DES-LOC ``desloc`` (its
+    master, two moments and gradient shard: 16), its streamed syncs ``stream`` more (the master at
+    the launch, the wire and two copies of each of the two moments: 24)."""
+    def per_rank(mode, size, streamed):
+        return (24 if mode == "demo" else desloc + stream * streamed) / size
+    return per_rank
+
+
 def _measured(ratio, world=2, per_node=1, uneven=1.0, node_ratio=None, shard_group_size=None, free_gb=None,
-              muon=False):
+              muon=False, desloc_bytes=16, stream_bytes=24):
     compute = 0.2
     return Measured(world, per_node, [compute] + [compute * uneven] * (world - 1), ratio * compute,
                     None if node_ratio is None else node_ratio * compute, shard_group_size,
-                    numel=7 * 10 ** 9, free_bytes=None if free_gb is None else free_gb * 1e9, muon=muon)
+                    numel=7 * 10 ** 9, free_bytes=None if free_gb is None else free_gb * 1e9, muon=muon,
+                    state_bytes=_state_bytes(desloc_bytes, stream_bytes))
 
 
 # (measured, usable modes, mode, shard_group_size, picks): the table of ds_lowcomm/auto.py,
@@ -43,11 +62,11 @@ TABLE = [
     (_measured(0.05, shard_group_size=1), ALL, "demo", 1, None),
     (_measured(10.0, shard_group_size=2), ALL, "acco", None, {}),
     (_measured(10.0, world=4, shard_group_size=2), ALL, "desloc", 2, None),
-    # 7B parameters, 60 GB free per GPU: a whole replica's state (84-112 GB) does not fit on one,
-    # a node of 8's share does (14 GB); with nothing that fits, the sharded row
+    # 7B parameters, 60 GB free per GPU (48 GB usable): a whole replica's state (112-168 GB) does
+    # not fit on one, a node of 8's share does (14 GB); with nothing that fits, the sharded row
     (_measured(10.0, world=16, per_node=8, free_gb=60), ALL, "desloc", 8, None),
     (_measured(10.0, world=16, per_node=1, free_gb=60), ALL, "acco", None, {}),
-    (_measured(10.0, world=16, per_node=8, free_gb=200), ALL, "demo", 1, None),
+    (_measured(10.0, world=16, per_node=8, free_gb=220), ALL, "demo", 1, None),
     # the user's local step is Muon, which only desloc runs: desloc where demo would be, each rank
     # its own replica; nothing else changes
     (_measured(10.0, muon=True), ALL, "desloc", 1,
@@ -56,12 +75,15 @@ TABLE = [
     (_measured(10.0, muon=True), ["zero1", "acco", "demo"], "demo", 1, None),
     (_measured(10.0, world=4, per_node=2, node_ratio=0.1, muon=True), ALL, "desloc", 2, None),
     (_measured(1.0, muon=True), ALL, "acco", None, {}),
-    # 7B, 120 GB free, nodes of 8 whose own link is slow: a whole replica's desloc state (112 GB)
-    # does not fit, DeMo's (84 GB) would; with Muon desloc on a node's ranks comes first (14 GB,
-    # 35 streamed)
-    (_measured(10.0, world=16, per_node=8, node_ratio=5.0, free_gb=120, muon=True), ALL, "desloc", 8,
+    # 7B, 220 GB free (176 usable), nodes of 8 whose own link is slow, the user's outer step and
+    # compressed parameter syncs (28 bytes; 20 more streamed, the payload its wire): a whole
+    # replica's desloc state (196 GB) does not fit, DeMo's (168 GB) would; with Muon desloc on a
+    # node's ranks comes first (24.5 GB, 42 streamed)
+    (_measured(10.0, world=16, per_node=8, node_ratio=5.0, free_gb=220, muon=True, desloc_bytes=28,
+               stream_bytes=20), ALL, "desloc", 8,
      {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384, "param_sync_delay": 16}),
-    # 30 GB free: desloc on a node of 8 fits (14 GB), its streamed syncs' copies (35 GB) do not
+    # 30 GB free (24 usable): desloc on a node of 8 fits (14 GB), with its streamed syncs' copies
+    # (35 GB) it does not
     (_measured(10.0, world=16, per_node=8, node_ratio=0.1, free_gb=30), ALL, "desloc", 8,
      {"param_sync_every": 64, "momentum_sync_every": 192, "variance_sync_every": 384}),
     (_measured(0.05, muon=True), ALL, "zero1", None, {}),
@@ -140,6 +162,115 @@ def test_probes_on_real_ranks():
         assert 0 < seconds < 30
         assert agreed == 2 and disagreed == 1
 
+
+
+@pytest.mark.ranks
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="the namespace needs root and iproute2")
+@pytest.mark.parametrize("rate, burst, numel", [
+    ("16mbit", "256kb", 1 << 18),  # the bench's token bucket, a 1 MiB model
+    # a burst that the doubling probes spend part way through one of them, a 4 MiB model: that
+    # probe alone reads the link about 2x too fast
+    ("32mbit", "2900kb", 1 << 20),
+])
+def test_probes_read_a_rate_limited_link(rate, burst, numel):
+    """Behind a token bucket on the loopback, the probes predict an all-reduce of ``numel``
+    elements within a factor of 1.5 of that all-reduce timed at the link's rate (its burst spent),
+    and take under 0.7 of its time (a single 1 MiB probe took all of it for the 1 MiB model)."""
+    from ds_lowcomm.bench.link import Link
+
+    link = Link(rate, None)
+    try:
+        subprocess.run(["tc", "-n", link.ns, "qdisc", "replace", "dev", "lo", "root", "handle", "2:", "tbf", "rate",
+                        rate, "burst", burst, "latency", "100ms"], check=True)
+        proc = subprocess.run([*link.prefix(), sys.executable, str(Path(__file__).parent / "probe_on_link.py"),
+                               str(numel)], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    finally:
+        link.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert rank["timed"] > 0.5, rank  # the link limits
+        assert rank["timed"] / 1.5 < rank["predicted"] < 1.5 * rank["timed"], rank
+        assert rank["cost"] < 0.7 * rank["timed"], rank
+
+
+#: the options whose state bytes are checked against what the mode allocates (2 ranks, each its
+#: own replica): each term of desloc's count, alone or together, and DeMo with and without overlap
+STATE_CASES = [
+    ("desloc", {}),
+    ("desloc", {"inner_optimizer": "muon"}),
+    ("desloc", {"outer_lr": 0.7, "outer_momentum": 0.9}),
+    ("desloc", {"sync_topk": 8}),
+    ("desloc", {"outer_lr": 0.7, "sync_topk": 8}),
+    ("desloc", {"moment_sync_topk": 8, "momentum_sync_every": 4, "variance_sync_every": 0}),
+    ("desloc", {"param_sync_every": 2, "param_sync_delay": 1}),
+    ("desloc", {"param_sync_every": 2, "param_sync_delay": 1, "variance_sync_every": 0, "sync_topk": 8,
+                "outer_lr": 0.7}),
+    ("demo", {}),
+    ("demo", {"overlap": True}),
+]
+
+
+def _tensor_bytes(obj, skip_storages, seen=None, found=None):
+    """The bytes of the distinct tensor storages reachable from ``obj``'s attributes (dicts, lists
+    and the library's own objects followed; the context it was handed, its worker and the
+    storages in ``skip_storages`` left out)."""
+    seen = set() if seen is None else seen
+    found = {} if found is None else found
+    if id(obj) in seen:
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() not in skip_storages and storage.nbytes():
+            found[storage.data_ptr()] = storage.nbytes()
+        return found
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif type(obj).__module__.startswith("ds_lowcomm.") and hasattr(obj, "__dict__"):
+        children = [v for k, v in vars(obj).items() if k not in ("ctx", "local_ctx", "worker")]
+    else:
+        return found
+    for child in children:
+        _tensor_bytes(child, skip_storages, seen, found)
+    return found
+
+
+def _allocated_state(rank, world):
+    out = []
+    for mode, options in STATE_CASES:
+        engine = workers.build_engine(workers.config(mode, shard_group_size=1, **{mode: options}))
+        workers.train(engine, 2, rank=rank)  # buffers a round allocates on first use exist by now
+        m = engine.optimizer.mode
+        skip = {t.untyped_storage().data_ptr() for t in (m.ctx.flat.buffer, m.ctx.grads.buffer)}
+        held = sum(_tensor_bytes(m, skip).values()) / m.ctx.flat.layout.numel
+        out.append((held, MODES[mode].state_bytes(m.options, 1)))
+        engine.destroy()
+    # what "automatic" asks on a GPU (on a CPU it checks no memory): the user's desloc options,
+    # streamed or not unless they set the delay themselves
+    asked = []
+    for desloc in ({"outer_lr": 0.7}, {"param_sync_every": 8, "param_sync_delay": 2}):
+        engine = workers.build_engine(workers.config("automatic", desloc=desloc))
+        asked += [engine.optimizer._state_bytes("desloc", 2, streamed) for streamed in (False, True)]
+        engine.destroy()
+    return out, asked
+
+
+@pytest.mark.ranks
+def test_state_bytes_count_what_the_modes_hold():
+    """Each mode's ``state_bytes``, which automatic's memory check reads, against the bytes of the
+    tensors the running mode holds (followed from the mode object, a 2-step run, fp32): equal but
+    for what the count adds on purpose, desloc's fp32 gradient shard (4; this run's gradient sums
+    are fp32 already) and DeMo's step transients (16: the gradient shard and the codec's 12),
+    within 2% (payloads, padding); and what automatic asks them with the user's options."""
+    held_and_stated, asked = run_ranks(_allocated_state, 2)[0]
+    for (mode, options), (held, stated) in zip(STATE_CASES, held_and_stated):
+        expected = held + (16 if mode == "demo" else 4)
+        assert abs(stated - expected) <= 0.02 * expected, (mode, options, held, stated)
+    # the outer step (16 + 8), streamed 24 more; the user's own delay streams either way; shards of 2
+    assert asked == [12.0, 24.0, 20.0, 20.0]
 
 ACCO_FIXED = {"accumulate_while_waiting": False, "balance": False}  # acco's timing-driven options off
 

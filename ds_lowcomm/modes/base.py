@@ -56,6 +56,15 @@ class Mode(abc.ABC):
         return False
 
     @classmethod
+    def state_bytes(cls, options, shard_group_size: int) -> float:
+        """Bytes per model parameter that this mode's optimizer state with ``options`` takes on
+        one rank, its shards ``shard_group_size`` ranks wide: what ``"mode": "automatic"`` checks
+        against the free device memory before it picks a replica layout. An upper bound (fp32
+        throughout); the weights and gradient buffers every mode has are not counted. Stated by
+        the modes that keep replicas (``demo``, ``desloc``)."""
+        raise NotImplementedError(f"{cls.name} does not state its optimizer state's bytes")
+
+    @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
         """Reject settings this mode cannot run: ``ds`` the DeepSpeed JSON, ``cfg`` the parsed
         :class:`~ds_lowcomm.config.LowCommConfig` (raise ``LowCommConfigError``)."""

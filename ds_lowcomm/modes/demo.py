@@ -171,6 +171,14 @@ class Demo(Mode):
         return options.overlap
 
     @classmethod
+    def state_bytes(cls, options: DemoOptions, shard_group_size: int) -> float:
+        """docs/benchmarks.md's "Memory per GPU": the master, δ and a step's gradient shard, and in
+        a step up to as much again for the codec (its tiled shard, decoded sums and their counts):
+        24 bytes per parameter, sharded; with ``overlap`` the send buffer and the gathered
+        parameters, whole (at most 8)."""
+        return 24 / shard_group_size + (8 if options.overlap else 0)
+
+    @classmethod
     def check_config(cls, ds: dict, cfg: "LowCommConfig") -> None:
         o = cfg.mode_options
         if o.topk > o.chunk * o.chunk:

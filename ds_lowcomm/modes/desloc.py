@@ -158,6 +158,14 @@ class ParamAverage(Round):
         """Nothing: :meth:`ReplicaSyncs.finish_param_sync` applies the result."""
 
 
+def sync_periods(options: DeslocOptions) -> Dict[str, int]:
+    """Steps between averages of the master (Kx) and of each moment (Ku, Kv; NEVER: never), the
+    moments' defaults 3·Kx and 6·Kx."""
+    kx = options.param_sync_every
+    return {"master": kx,
+            "exp_avg": 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every,
+            "exp_avg_sq": 6 * kx if options.variance_sync_every is None else options.variance_sync_every}
+
 class ReplicaSyncs:
     """DES-LOC's averages across replica groups: the periods, the rounds run (equal on every
     replica, whatever their verdicts: it paces the syncs), with the outer Nesterov optimizer or
@@ -172,10 +180,7 @@ class ReplicaSyncs:
         two buffers (and two per moment ever averaged) and ``worker``, the comm worker its
         all-reduce runs on."""
         master = adamw.master
-        kx = options.param_sync_every
-        ku = 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every
-        kv = 6 * kx if options.variance_sync_every is None else options.variance_sync_every
-        self.periods = {"master": kx, "exp_avg": ku, "exp_avg_sq": kv}
+        self.periods = sync_periods(options)
         self.rounds = 0
         self.outer_lr, self.outer_momentum = options.outer_lr, options.outer_momentum
         # DiLoCo-style outer Nesterov: the pseudo-gradient is anchor − average. Off (plain
@@ -500,6 +505,24 @@ class Desloc(Mode):
     @classmethod
     def is_asynchronous(cls, options: DeslocOptions) -> bool:
         return options.param_sync_delay > 0
+
+    @classmethod
+    def state_bytes(cls, options: DeslocOptions, shard_group_size: int) -> float:
+        """docs/benchmarks.md's "Memory per GPU", per parameter, sharded, fp32: the master, both
+        moments and the gradient shard (16 bytes; the last only with fp32 gradient sums, counted
+        always); the anchor with the outer step or compressed parameter syncs (4), the outer
+        momentum (4), the error buffer (4); a compressed moment sync's anchor per moment averaged
+        (4 each); with ``param_sync_delay`` the master at the launch and the wire (8; 4 with
+        compressed syncs, which send the payload) and two copies of each moment averaged (8
+        each). Payloads and chunked temporaries are left out."""
+        periods = sync_periods(options)
+        moments = sum(periods[key] != NEVER for key in MOMENTS)
+        outer = options.outer_lr != 1.0 or options.outer_momentum != 0.0
+        compressed = bool(options.sync_topk)
+        per = 16 + 4 * (outer or compressed) + 4 * outer + 4 * compressed
+        per += 4 * moments if options.moment_sync_topk else 0
+        per += (8 - 4 * compressed + 8 * moments) if options.param_sync_delay else 0
+        return per / shard_group_size
 
     @classmethod
     def check_config(cls, ds: dict, cfg) -> None:
