@@ -27,9 +27,10 @@ The optimizer is the user's: "automatic" never changes it. Muon is a local step 
 ``desloc`` runs, so a user who asked for it gets ``desloc`` where a local mode wins, not ``demo``,
 whose step is a sign of its own compressed momentum.
 
-A replica layout whose optimizer state would not fit in the device memory free after the first
-micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row; desloc's
-syncs stream only where the state they add fits too, else they are synchronous.
+A replica layout whose optimizer state (the mode's own count with the user's options,
+:meth:`~ds_lowcomm.modes.base.Mode.state_bytes`) would not fit in the device memory free after the
+first micro-batch (CUDA) is passed over: ``desloc`` on a node's ranks next, else the sharded row;
+desloc's syncs stream only where the state they add fits too, else they are synchronous.
 
 (the bench's measurements behind each row: docs/automatic.md). A user's own keys in a mode's
 sub-object win over the picks, a ``shard_group_size`` limits the choice to the modes of that layout,
@@ -252,22 +253,23 @@ def predict_sync_s(group, model_numel: int, device: torch.device, control) -> fl
     """One fp32 all-reduce of ``model_numel`` elements on ``group``, predicted from timed probes and
     extrapolated linearly in bytes: tiny ones (latency; the first also opens a lazily created
     communicator), then probes from ``FIRST_PROBE_BYTES`` doubling up to ``PROBE_BYTES`` (or the
-    model) until one takes longer than ``PROBE_SECONDS`` on some rank (the ranks agree on each time
-    over ``control``, a gloo group, so that every rank issues the same collectives). After such a
-    probe one of half its size runs back to back, and its time counts: a link shaped by a token
-    bucket lets its burst through at once, and the probe that outran the burst still rode on part
-    of it, which reads the link faster than it is; the next finds the bucket empty.
-    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link, and on a slow
-    one about 1.5 times what it sends in ``PROBE_SECONDS`` after any burst; the device is
-    synchronized around each probe (once per run, before training's first gradient leaves the
-    rank)."""
+    model) until one takes more than ``PROBE_SECONDS`` beyond the tiny one's time on some rank (the
+    ranks agree on each time over ``control``, a gloo group, so that every rank issues the same
+    collectives); latency alone never stops them. Only after such a slow probe, one of half its
+    size runs back to back and its time counts: a link shaped by a token bucket lets its burst
+    through at once, and the probe that outran the burst still rode on part of it, which reads
+    the link faster than it is; the next finds the bucket empty. A burst larger than all the
+    probes (about 4 MiB sent per rank) reads as the link's rate.
+    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link; on a slow one
+    the probes take about 2.5 times the stopping probe's time; the device is synchronized around
+    each probe (once per run, before training's first gradient leaves the rank)."""
     _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
     small = _timed_all_reduce(group, 16, device)
     cap = max(16, min(model_numel, PROBE_BYTES // 4))
     numel = min(cap, FIRST_PROBE_BYTES // 4)
-    while True:  # each probe twice the last, until one is slow enough to time bytes, not latency
+    while True:  # each probe twice the last, until its bytes (its time less latency) are timed
         seconds = _timed_all_reduce(group, numel, device, repeats=1)
-        slowest = agree([seconds], control, op=dist.ReduceOp.MAX)[0]
+        slowest = agree([seconds - small], control, op=dist.ReduceOp.MAX)[0]
         if slowest > PROBE_SECONDS or numel == cap:
             break
         numel = min(2 * numel, cap)

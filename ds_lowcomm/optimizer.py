@@ -258,10 +258,12 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def _state_bytes(self, mode: str, shard_group_size: int, streamed: bool) -> float:
         """``mode``'s optimizer state per parameter on a rank, with the user's options for it
-        (their own ``param_sync_delay`` wins over ``streamed``)."""
+        (streamed: the delay :meth:`_pick` would set, none where their options cannot stream;
+        their own ``param_sync_delay`` wins). No communication."""
         options = self.config.options_by_mode[mode]
         if mode == "desloc" and "param_sync_delay" not in self.config.given_by_mode[mode]:
-            options = dataclasses.replace(options, param_sync_delay=1 if streamed else 0)
+            delay = desloc_delay(options.param_sync_every, options.moment_sync_topk) if streamed else 0
+            options = dataclasses.replace(options, param_sync_delay=delay)
         return MODES[mode].state_bytes(options, shard_group_size)
 
     def _pick(self, measured: Measured):

@@ -61,7 +61,7 @@ class Mode(abc.ABC):
         one rank, its shards ``shard_group_size`` ranks wide: what ``"mode": "automatic"`` checks
         against the free device memory before it picks a replica layout. An upper bound (fp32
         throughout); the weights and gradient buffers every mode has are not counted. Stated by
-        the modes that keep replicas (``demo``, ``desloc``)."""
+        the modes that keep replicas (``demo``, ``desloc``). No communication."""
         raise NotImplementedError(f"{cls.name} does not state its optimizer state's bytes")
 
     @classmethod

@@ -131,6 +131,7 @@ class DemoRound(StepRound):
         for seg in self.segments:
             sl = slice(seg.start, seg.end)
             momentum[sl].add_(grad[sl], alpha=hyper[seg.group]["lr"])
+        del grad  # freed before the codec's buffers: the step's peak stays at Demo.state_bytes
         local_ok = local_ok and all_finite(momentum)  # a reduction: no shard-sized flags
         idx, vals = codec.encode(momentum)
         if not local_ok:
@@ -175,7 +176,7 @@ class Demo(Mode):
         """docs/benchmarks.md's "Memory per GPU": the master, δ and a step's gradient shard, and in
         a step up to as much again for the codec (its tiled shard, decoded sums and their counts):
         24 bytes per parameter, sharded; with ``overlap`` the send buffer and the gathered
-        parameters, whole (at most 8)."""
+        parameters, whole (at most 8). No communication."""
         return 24 / shard_group_size + (8 if options.overlap else 0)
 
     @classmethod

@@ -166,6 +166,12 @@ def sync_periods(options: DeslocOptions) -> Dict[str, int]:
             "exp_avg": 3 * kx if options.momentum_sync_every is None else options.momentum_sync_every,
             "exp_avg_sq": 6 * kx if options.variance_sync_every is None else options.variance_sync_every}
 
+
+def takes_outer_step(options: DeslocOptions) -> bool:
+    """Whether a parameter sync takes DiLoCo's outer Nesterov step (else it plainly averages)."""
+    return options.outer_lr != 1.0 or options.outer_momentum != 0.0
+
+
 class ReplicaSyncs:
     """DES-LOC's averages across replica groups: the periods, the rounds run (equal on every
     replica, whatever their verdicts: it paces the syncs), with the outer Nesterov optimizer or
@@ -185,7 +191,7 @@ class ReplicaSyncs:
         self.outer_lr, self.outer_momentum = options.outer_lr, options.outer_momentum
         # DiLoCo-style outer Nesterov: the pseudo-gradient is anchor − average. Off (plain
         # averaging) unless configured.
-        self.outer = options.outer_lr != 1.0 or options.outer_momentum != 0.0
+        self.outer = takes_outer_step(options)
         self.codec = (ChunkTopK(master.numel(), options.sync_chunk, options.sync_topk, options.sync_values)
                       if options.sync_topk else None)
         self.anchored = self.outer or self.codec is not None
@@ -514,11 +520,11 @@ class Desloc(Mode):
         momentum (4), the error buffer (4); a compressed moment sync's anchor per moment averaged
         (4 each); with ``param_sync_delay`` the master at the launch and the wire (8; 4 with
         compressed syncs, which send the payload) and two copies of each moment averaged (8
-        each). Payloads and chunked temporaries are left out."""
+        each). Payloads (under 1 byte per parameter unless a top-k keeps most of its chunk) and
+        chunked temporaries are left out. No communication."""
         periods = sync_periods(options)
         moments = sum(periods[key] != NEVER for key in MOMENTS)
-        outer = options.outer_lr != 1.0 or options.outer_momentum != 0.0
-        compressed = bool(options.sync_topk)
+        outer, compressed = takes_outer_step(options), bool(options.sync_topk)
         per = 16 + 4 * (outer or compressed) + 4 * outer + 4 * compressed
         per += 4 * moments if options.moment_sync_topk else 0
         per += (8 - 4 * compressed + 8 * moments) if options.param_sync_delay else 0
