@@ -197,7 +197,8 @@ def test_probes_time_bytes_past_the_latency(latency, bytes_per_s):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="the namespace needs root and iproute2")
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+                    reason="the namespace needs root and iproute2")
 @pytest.mark.parametrize("rate, burst, numel", [
     ("16mbit", "256kb", 1 << 18),  # the bench's token bucket, a 1 MiB model
     # a burst that the doubling probes spend part way through one of them, a 4 MiB model: that
