@@ -257,14 +257,21 @@ class LowCommOptimizer(torch.optim.Optimizer):
                            f"carries over; automatic chooses only at a fresh start)")
 
     def _state_bytes(self, mode: str, shard_group_size: int, streamed: bool) -> float:
-        """``mode``'s optimizer state per parameter on a rank, with the user's options for it
-        (streamed: the delay :meth:`_pick` would set, none where their options cannot stream;
-        their own ``param_sync_delay`` wins). No communication."""
+        """``mode``'s optimizer state per parameter on a rank, with the user's options for it (and
+        desloc's syncs streamed as :meth:`_pick` would stream them). No communication."""
         options = self.config.options_by_mode[mode]
-        if mode == "desloc" and "param_sync_delay" not in self.config.given_by_mode[mode]:
-            delay = desloc_delay(options.param_sync_every, options.moment_sync_topk) if streamed else 0
-            options = dataclasses.replace(options, param_sync_delay=delay)
-        return MODES[mode].state_bytes(options, shard_group_size)
+        return MODES[mode].state_bytes(self._streaming(options, streamed) if mode == "desloc" else options,
+                                       shard_group_size)
+
+    def _streaming(self, options, streamed: bool):
+        """desloc's ``options`` with "automatic"'s streaming delay: where ``streamed``, behind a
+        quarter of the period that runs (:func:`~ds_lowcomm.auto.desloc_delay`: the user's own Kx
+        may be shorter; their compressed moment syncs cannot stream), else none; the user's own
+        ``param_sync_delay`` wins. Used for a fresh choice only: a resume runs what was recorded."""
+        if "param_sync_delay" in self.config.given_by_mode["desloc"]:
+            return options
+        delay = desloc_delay(options.param_sync_every, options.moment_sync_topk) if streamed else 0
+        return dataclasses.replace(options, param_sync_delay=delay)
 
     def _pick(self, measured: Measured):
         """(choice, its concrete config, the candidates refused and why): :func:`choose` over the
@@ -273,12 +280,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         while True:
             choice = choose(measured, usable)
             config = self._config_for(choice)
-            options, given = config.mode_options, self.config.given_by_mode[choice.mode]
-            if choice.options.get("param_sync_delay") and "param_sync_delay" not in given:
-                # desloc streamed: behind a quarter of the period that runs (the user's own Kx may be
-                # shorter; their compressed moment syncs cannot stream); a resume runs what was recorded
-                config = dataclasses.replace(config, mode_options=dataclasses.replace(
-                    options, param_sync_delay=desloc_delay(options.param_sync_every, options.moment_sync_topk)))
+            if choice.mode == "desloc":
+                streamed = "param_sync_delay" in choice.options
+                config = dataclasses.replace(config, mode_options=self._streaming(config.mode_options, streamed))
             # what runs: auto's picks as the user's own keys left them
             choice = dataclasses.replace(choice, options={k: getattr(config.mode_options, k) for k in choice.options})
             error = self.config.check_mode(choice.mode, config.mode_options,

@@ -284,7 +284,8 @@ def _allocated_state(rank, world):
     # what "automatic" asks on a GPU (on a CPU it checks no memory): the user's desloc options,
     # streamed or not unless they set the delay themselves
     asked = []
-    for desloc in ({"outer_lr": 0.7}, {"param_sync_every": 8, "param_sync_delay": 2}):
+    for desloc in ({"outer_lr": 0.7}, {"param_sync_every": 8, "param_sync_delay": 2},
+                   {"momentum_sync_every": 48, "moment_sync_topk": 8}):
         engine = workers.build_engine(workers.config("automatic", desloc=desloc))
         asked += [engine.optimizer._state_bytes("desloc", 2, streamed) for streamed in (False, True)]
         engine.destroy()
@@ -302,8 +303,9 @@ def test_state_bytes_count_what_the_modes_hold():
     for (mode, options), (held, stated) in zip(STATE_CASES, held_and_stated):
         expected = held + (16 if mode == "demo" else 4)
         assert abs(stated - expected) <= 0.02 * expected, (mode, options, held, stated)
-    # the outer step (16 + 8), streamed 24 more; the user's own delay streams either way; shards of 2
-    assert asked == [12.0, 24.0, 20.0, 20.0]
+    # shards of 2: the outer step (16 + 8), streamed 24 more; the user's own delay streams either
+    # way (16 + 24); compressed moment syncs (16 + 2·4) never stream
+    assert asked == [12.0, 24.0, 20.0, 20.0, 12.0, 12.0]
 
 ACCO_FIXED = {"accumulate_while_waiting": False, "balance": False}  # acco's timing-driven options off
 
