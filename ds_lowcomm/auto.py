@@ -67,9 +67,10 @@ SLOW = 3.0
 UNEVEN = 1.5
 #: the first probe all-reduce: 64 KiB, about 40 ms at 25 Mbit/s
 FIRST_PROBE_BYTES = 64 << 10
-#: the probes double from the first up to this size, until one takes longer than PROBE_SECONDS
+#: the probes double from the first up to this size, until one spends longer than PROBE_SECONDS
+#: beyond the latency; that size then runs once more, and its second time counts
 PROBE_BYTES = 1 << 20
-PROBE_SECONDS = 0.1
+PROBE_SECONDS = 0.05
 
 #: the share of the free device memory a replica layout's state may take
 MEMORY_SHARE = 0.8
@@ -253,16 +254,19 @@ def predict_sync_s(group, model_numel: int, device: torch.device, control) -> fl
     """One fp32 all-reduce of ``model_numel`` elements on ``group``, predicted from timed probes and
     extrapolated linearly in bytes: tiny ones (latency; the first also opens a lazily created
     communicator), then probes from ``FIRST_PROBE_BYTES`` doubling up to ``PROBE_BYTES`` (or the
-    model) until one takes more than ``PROBE_SECONDS`` beyond the tiny one's time on some rank (the
-    ranks agree on each time over ``control``, a gloo group, so that every rank issues the same
-    collectives); latency alone never stops them. Only after such a slow probe, one of half its
-    size runs back to back and its time counts: a link shaped by a token bucket lets its burst
-    through at once, and the probe that outran the burst still rode on part of it, which reads
-    the link faster than it is; the next finds the bucket empty. A burst larger than all the
-    probes (about 4 MiB sent per rank) reads as the link's rate.
-    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link; on a slow one
-    the probes take about 2.5 times the stopping probe's time; the device is synchronized around
-    each probe (once per run, before training's first gradient leaves the rank)."""
+    model) until one spends more than ``PROBE_SECONDS`` beyond the tiny one's time on some rank
+    (the ranks agree on each time over ``control``, a gloo group, so that every rank issues the
+    same collectives); latency alone never stops them. Only after such a slow probe, the same size
+    runs once more, back to back, and its time counts: a link shaped by a token bucket lets its
+    burst through at once, and the probe that outran the burst still rode on part of it, which
+    reads the link faster than it is (up to twice, or more when the burst ends late in it); the
+    repeat finds the bucket empty. Stopping early, rather than doubling past the burst's edge,
+    keeps the cost near the repeat's own time. A burst larger than all the probes (about 4 MiB
+    sent per rank) reads as the link's rate.
+    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link; on a steady slow
+    one the probes take under 6·``PROBE_SECONDS`` beyond the latency (twice the first probe's time
+    where that one alone takes longer); the device is synchronized around each probe (once per
+    run, before training's first gradient leaves the rank)."""
     _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
     small = _timed_all_reduce(group, 16, device)
     cap = max(16, min(model_numel, PROBE_BYTES // 4))
@@ -273,8 +277,8 @@ def predict_sync_s(group, model_numel: int, device: torch.device, control) -> fl
         if slowest > PROBE_SECONDS or numel == cap:
             break
         numel = min(2 * numel, cap)
-    if slowest > PROBE_SECONDS:
-        numel = max(16, numel // 2)
+    if slowest > PROBE_SECONDS:  # one more, of the size that spends about PROBE_SECONDS at its rate
+        numel = max(16, numel // 4, int(numel * PROBE_SECONDS / slowest))
         seconds = _timed_all_reduce(group, numel, device, repeats=1)
     return small + max(seconds - small, 0.0) / numel * model_numel
 

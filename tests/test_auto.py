@@ -208,7 +208,8 @@ def test_probes_time_bytes_past_the_latency(latency, bytes_per_s):
 def test_probes_read_a_rate_limited_link(rate, burst, numel):
     """Behind a token bucket on the loopback, the probes predict an all-reduce of ``numel``
     elements within a factor of 1.5 of that all-reduce timed at the link's rate (its burst spent),
-    and take under 0.7 of its time (a single 1 MiB probe took all of it for the 1 MiB model)."""
+    and take under 0.4 of its time (a single 1 MiB probe took all of it for the 1 MiB model, and
+    probes doubling until one spent 0.1 s, then halving once, about half of it)."""
     from ds_lowcomm.bench.link import Link
 
     link = Link(rate, None)
@@ -224,7 +225,7 @@ def test_probes_read_a_rate_limited_link(rate, burst, numel):
     for rank in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert rank["timed"] > 0.5, rank  # the link limits
         assert rank["timed"] / 1.5 < rank["predicted"] < 1.5 * rank["timed"], rank
-        assert rank["cost"] < 0.7 * rank["timed"], rank
+        assert rank["cost"] < 0.4 * rank["timed"], rank
 
 
 #: the options whose state bytes are checked against what the mode allocates (2 ranks, each its
