@@ -68,7 +68,7 @@ UNEVEN = 1.5
 #: the first probe all-reduce: 64 KiB, about 40 ms at 25 Mbit/s
 FIRST_PROBE_BYTES = 64 << 10
 #: the probes double from the first up to this size, until one spends longer than PROBE_SECONDS
-#: beyond the latency; that size then runs once more, and its second time counts
+#: beyond the latency; one more, sized to spend about PROBE_SECONDS at the rate that one read, counts
 PROBE_BYTES = 1 << 20
 PROBE_SECONDS = 0.05
 
@@ -256,31 +256,41 @@ def predict_sync_s(group, model_numel: int, device: torch.device, control) -> fl
     communicator), then probes from ``FIRST_PROBE_BYTES`` doubling up to ``PROBE_BYTES`` (or the
     model) until one spends more than ``PROBE_SECONDS`` beyond the tiny one's time on some rank
     (the ranks agree on each time over ``control``, a gloo group, so that every rank issues the
-    same collectives); latency alone never stops them. Only after such a slow probe, the same size
-    runs once more, back to back, and its time counts: a link shaped by a token bucket lets its
-    burst through at once, and the probe that outran the burst still rode on part of it, which
-    reads the link faster than it is (up to twice, or more when the burst ends late in it); the
-    repeat finds the bucket empty. Stopping early, rather than doubling past the burst's edge,
-    keeps the cost near the repeat's own time. A burst larger than all the probes (about 4 MiB
-    sent per rank) reads as the link's rate.
+    same collectives); latency alone never stops them. Only after such a slow probe, one more runs
+    back to back, sized to spend about ``PROBE_SECONDS`` at the rate that one read (a quarter of
+    its size at least), and its time counts: a link shaped by a token bucket lets its burst
+    through at once, and the probe that outran the burst still rode on part of it, which reads the
+    link faster than it is (twice or more); the next finds the bucket empty, and spends longer than
+    it was sized for. Stopping at the burst's edge, rather than doubling past it, keeps the probes
+    cheap. Where that last probe spends under a quarter of ``PROBE_SECONDS`` (a hiccup made the one
+    before it read slow), the doubling goes on (and the largest probe, read slow so, runs once
+    more): on a fast link a probe that small would be timed noise. A burst larger than all the probes (about 4 MiB sent
+    per rank) reads as the link's rate.
     Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link; on a steady slow
-    one the probes take under 6·``PROBE_SECONDS`` beyond the latency (twice the first probe's time
-    where that one alone takes longer); the device is synchronized around each probe (once per
-    run, before training's first gradient leaves the rank)."""
+    one the probes take under 5·``PROBE_SECONDS`` beyond their latencies (twice the first probe's
+    time where that one alone takes longer); the device is synchronized around each probe (once
+    per run, before training's first gradient leaves the rank)."""
     _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
     small = _timed_all_reduce(group, 16, device)
     cap = max(16, min(model_numel, PROBE_BYTES // 4))
     numel = min(cap, FIRST_PROBE_BYTES // 4)
+
+    def predicted(seconds, numel):  # linear in the bytes, past the latency
+        return small + max(seconds - small, 0.0) / numel * model_numel
+
     while True:  # each probe twice the last, until its bytes (its time less latency) are timed
         seconds = _timed_all_reduce(group, numel, device, repeats=1)
-        slowest = agree([seconds - small], control, op=dist.ReduceOp.MAX)[0]
-        if slowest > PROBE_SECONDS or numel == cap:
-            break
+        spent = agree([seconds - small], control, op=dist.ReduceOp.MAX)[0]
+        if spent > PROBE_SECONDS:  # one more, of the size that spends about PROBE_SECONDS at its rate
+            last = max(16, numel // 4, int(numel * PROBE_SECONDS / spent))
+            seconds = _timed_all_reduce(group, last, device, repeats=1)
+            if agree([seconds - small], control, op=dist.ReduceOp.MAX)[0] >= PROBE_SECONDS / 4:
+                return predicted(seconds, last)
+            if numel == cap:  # the largest probe read slow on a hiccup: it runs once more
+                return predicted(_timed_all_reduce(group, cap, device, repeats=1), cap)
+        elif numel == cap:
+            return predicted(seconds, cap)
         numel = min(2 * numel, cap)
-    if slowest > PROBE_SECONDS:  # one more, of the size that spends about PROBE_SECONDS at its rate
-        numel = max(16, numel // 4, int(numel * PROBE_SECONDS / slowest))
-        seconds = _timed_all_reduce(group, numel, device, repeats=1)
-    return small + max(seconds - small, 0.0) / numel * model_numel
 
 
 def agree(values: Sequence[float], control, op=dist.ReduceOp.SUM) -> list:
