@@ -260,16 +260,19 @@ def predict_sync_s(group, model_numel: int, device: torch.device, control) -> fl
     back to back, sized to spend about ``PROBE_SECONDS`` at the rate that one read (a quarter of
     its size at least), and its time counts: a link shaped by a token bucket lets its burst
     through at once, and the probe that outran the burst still rode on part of it, which reads the
-    link faster than it is (twice or more); the next finds the bucket empty, and spends longer than
-    it was sized for. Stopping at the burst's edge, rather than doubling past it, keeps the probes
-    cheap. Where that last probe spends under a quarter of ``PROBE_SECONDS`` (a hiccup made the one
-    before it read slow), the doubling goes on (and the largest probe, read slow so, runs once
-    more): on a fast link a probe that small would be timed noise. A burst larger than all the probes (about 4 MiB sent
-    per rank) reads as the link's rate.
-    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link; on a steady slow
-    one the probes take under 5·``PROBE_SECONDS`` beyond their latencies (twice the first probe's
-    time where that one alone takes longer); the device is synchronized around each probe (once
-    per run, before training's first gradient leaves the rank)."""
+    link faster than it is, by however much of the burst it rode; the next finds the bucket empty,
+    and spends longer than it was sized for. Stopping at the burst's edge, rather than doubling
+    past it, keeps the probes cheap. Where that last probe spends under a quarter of
+    ``PROBE_SECONDS`` (a hiccup made the one before it read slow), the doubling goes on (and the
+    largest probe, read slow so, runs once more): on a fast link a probe that small would time
+    noise. A burst larger than all the probes (about 4 MiB sent per rank) reads as the link's rate.
+    Each probe is timed once: a link whose latency jitters by a large share of ``PROBE_SECONDS``
+    (tens of milliseconds) can stop the doubling early and read slower than it is.
+    Collective over ``group``: at most about 2·2 MiB sent per rank on a fast link (2·3.25 MiB after
+    a hiccup on the largest probe); on a steady slow one the probes take under 5·``PROBE_SECONDS``
+    beyond their latencies (twice the first probe's time where that one alone takes longer); the
+    device is synchronized around each probe (once per run, before training's first gradient
+    leaves the rank)."""
     _timed_all_reduce(group, 1, device, repeats=1)  # warm-up
     small = _timed_all_reduce(group, 16, device)
     cap = max(16, min(model_numel, PROBE_BYTES // 4))
@@ -282,6 +285,8 @@ def predict_sync_s(group, model_numel: int, device: torch.device, control) -> fl
         seconds = _timed_all_reduce(group, numel, device, repeats=1)
         spent = agree([seconds - small], control, op=dist.ReduceOp.MAX)[0]
         if spent > PROBE_SECONDS:  # one more, of the size that spends about PROBE_SECONDS at its rate
+            # a quarter at least: a reading far over PROBE_SECONDS (a first probe on a very slow
+            # link, or one a hiccup slowed) would otherwise size the last probe down to noise
             last = max(16, numel // 4, int(numel * PROBE_SECONDS / spent))
             seconds = _timed_all_reduce(group, last, device, repeats=1)
             if agree([seconds - small], control, op=dist.ReduceOp.MAX)[0] >= PROBE_SECONDS / 4:
