@@ -71,6 +71,9 @@ class CommStats:
         self.device_wait_seconds = 0.0
         self.round_seconds = 0.0
         self.rounds = 0
+        #: round verdicts the host read before their copy had landed: on a GPU each is a host
+        #: wait for the device (a synchronous step's one read of its norm)
+        self.verdict_waits = 0
 
     def record(self, op: str, sent: float, received: float, seconds: float) -> None:
         """Add one call of collective ``op`` to its totals."""
@@ -98,7 +101,7 @@ class CommStats:
     def as_dict(self) -> dict:
         """A JSON-ready copy: totals, rounds, time waited and per-collective counters."""
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "rounds": self.rounds, "round_seconds": self.round_seconds,
+                "rounds": self.rounds, "round_seconds": self.round_seconds, "verdict_waits": self.verdict_waits,
                 "exposed_comm_seconds": self.exposed_comm_seconds,
                 "host_wait_seconds": self.host_wait_seconds, "device_wait_seconds": self.device_wait_seconds,
                 "ops": {name: asdict(s) for name, s in sorted(self.ops.items())}}
@@ -125,6 +128,16 @@ class Collectives:
     Blocking calls; the caller decides which thread they run on. A failure (a dead peer closes its
     sockets; a stalled one trips the group's timeout) is re-raised as :class:`CollectiveError`
     naming the rank, the collective and the timeout, so the job exits instead of hanging.
+
+    Two branches, chosen by the group's backend (:attr:`native`): on gloo, chunked all-to-alls
+    and sums computed here; on every other backend (NCCL) the backend's own collectives, each
+    issued asynchronously and waited for inside the call, so that a failure the backend reports
+    at the wait is a :class:`CollectiveError` too. What that covers on NCCL: an error at enqueue
+    (a communicator already aborted), and with ``TORCH_NCCL_BLOCKING_WAIT=1`` a timeout or NCCL
+    error (torch 2.13's ``WorkNCCL::wait`` then blocks this thread until the collective
+    completes, aborts the communicator on a timeout and raises). By default NCCL's wait only
+    makes the current stream wait: a peer that dies later is found by torch's watchdog thread,
+    which takes the process down itself (docs/gpu.md).
     """
 
     def __init__(self, group, stats: CommStats, timeout_s: float, name: str) -> None:
@@ -136,20 +149,42 @@ class Collectives:
         self.rank = dist.get_rank(group)
         #: the global rank of each member, by rank in the group
         self.ranks = dist.get_process_group_ranks(group)
-        # gloo (torch 2.13) implements reduce-scatter as a full all-reduce on the wire: 2x the
-        # bytes of a ring reduce-scatter (measured at the link). An all-to-all of the W shards plus
-        # a local sum moves exactly (W-1)/W of the input per rank, like NCCL's reduce-scatter.
-        self.reduce_scatter_by_all_to_all = dist.get_backend(group) == "gloo"
+        #: whether this group takes the native branch (the backend's own reduce-scatter,
+        #: all-gather, reduce and broadcast: NCCL's) rather than the gloo one. gloo (torch 2.13)
+        #: implements reduce-scatter as a full all-reduce on the wire: 2x the bytes of a ring
+        #: reduce-scatter (measured at the link); an all-to-all of the W shards plus a local sum
+        #: moves exactly (W-1)/W of the input per rank, like NCCL's reduce-scatter. Tests set it
+        #: on a gloo group to run the native branch with real results (tests/test_nccl_branch.py).
+        self.native = dist.get_backend(group) != "gloo"
 
-    def _run(self, op: str, nbytes: int, fn, *args, **kwargs):
+    def _run(self, op: str, nbytes: int, fn, *args, counted: Optional[Tuple[float, float]] = None):
+        """``fn(*args, group=...)``, timed and counted as collective ``op`` over ``nbytes`` (by
+        :func:`wire_bytes`, or ``counted`` = (sent, received)); any failure inside it, at enqueue
+        or at a wait, is raised as :class:`CollectiveError`."""
         t0 = time.perf_counter()
         try:
-            fn(*args, group=self.group, **kwargs)
+            fn(*args, group=self.group)
         except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
             raise self._failed(op, nbytes, t0, err) from err
-        sent, received = wire_bytes(op, nbytes, self.world)
+        sent, received = counted if counted is not None else wire_bytes(op, nbytes, self.world)
         # Keyed by group too: what crosses the slow replica links is reported on its own.
         self.stats.record(f"{self.name}.{op}", sent, received, time.perf_counter() - t0)
+
+    def _call(self, fn, *args, group, **kwargs) -> None:
+        """One torch.distributed collective ``fn`` on ``group``. On the native branch it is
+        issued with ``async_op=True`` and its work waited for here, inside :meth:`_run`'s
+        ``try``: torch 2.13's NCCL returns no work at all for a synchronous collective (it runs
+        on the current stream), so an error NCCL reports at the wait could not reach us
+        otherwise. The wait orders the current stream after NCCL's (the next kernel on it, a
+        chunk buffer's refill included, runs after the collective) and, without
+        ``TORCH_NCCL_BLOCKING_WAIT``, does not block this thread. On gloo a synchronous call
+        (torch waits for gloo's work itself)."""
+        if not self.native:
+            fn(*args, group=group, **kwargs)
+            return
+        work = fn(*args, group=group, async_op=True, **kwargs)
+        if work is not None:  # None: a backend that completed it synchronously
+            work.wait()
 
     def _failed(self, op: str, nbytes: int, t0: float, err: Exception) -> CollectiveError:
         return CollectiveError(
@@ -171,10 +206,10 @@ class Collectives:
         """
         wire_dtype = wire_dtype or inp.dtype
         nbytes = inp.numel() * torch.empty((), dtype=wire_dtype).element_size()
-        if self.reduce_scatter_by_all_to_all:
+        if not self.native:
             self._run("reduce_scatter", nbytes, self._reduce_scatter_by_chunks, out, inp, wire_dtype)
-        elif inp.dtype == wire_dtype == out.dtype:
-            self._run("reduce_scatter", nbytes, _reduce_scatter, out, inp)
+        elif inp.dtype == wire_dtype == out.dtype:  # in place too (NCCL: out == inp + rank·count)
+            self._run("reduce_scatter", nbytes, self._call, _reduce_scatter, out, inp)
         else:
             self._run("reduce_scatter", nbytes, self._reduce_scatter_converting, out, inp, wire_dtype)
 
@@ -191,7 +226,7 @@ class Collectives:
             part = rows[:, a:a + step]
             send = send_buf[:part.numel()].view(part.shape).copy_(part)  # rank r's columns in row r
             recv = recv_buf[:part.shape[1]]
-            _reduce_scatter(recv, send.view(-1), group=group)
+            self._call(_reduce_scatter, recv, send.view(-1), group=group)
             out[a:a + recv.numel()].copy_(recv)
 
     def _reduce_scatter_by_chunks(self, out: torch.Tensor, inp: torch.Tensor,
@@ -215,59 +250,96 @@ class Collectives:
         receives the sums of the part of the range that lies in its own shard, into the same
         place of ``out`` (this rank's shard), untouched elsewhere. Over ranges that tile ``inp``
         it is :meth:`reduce_scatter`, with the same bytes in all ((W-1)/W · inp's bytes sent and
-        received per rank; per range, each rank sends the part of it other ranks own and receives
-        W-1 copies of its own part) and, on gloo, the same fp32 sums bit for bit. One all-to-all
-        with uneven splits.
+        received per rank; counted per range as an all-to-all moves them: each rank sends the
+        part of it other ranks own and receives W-1 copies of its own part).
+
+        On gloo one all-to-all with uneven splits, and the same fp32 sums as
+        :meth:`reduce_scatter` bit for bit. On the native branch one reduce per shard the range
+        touches, to that shard's owner, in the wire dtype, in rank order (the same calls on every
+        rank). Not NCCL's all-to-all: its send/recv pairs open point-to-point connections (and
+        buffers) to every peer at the first bucket, and a bucket inside one shard would land as
+        W-1 copies on its owner's link, where a ring reduce delivers one. Not a reduce-scatter of
+        a (W, n) layout either: a bucket lies mostly in one shard, so its rows would be padded
+        to the largest part, up to W times the bytes.
         """
         wire_dtype = wire_dtype or inp.dtype
         size, w, me = inp.numel() // self.world, self.world, self.rank
         splits = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(w)]
         mine = splits[me]
+        elem = torch.empty((), dtype=wire_dtype).element_size()
+        counted = ((end - start - mine) * elem, (w - 1) * mine * elem)
+        self._run("reduce_scatter", (end - start) * elem, self._reduce_scatter_range, out, inp, start, end,
+                  splits, wire_dtype, counted=counted)
+
+    def _reduce_scatter_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int,
+                              splits, wire_dtype: torch.dtype, group) -> None:
+        size, w, me = inp.numel() // self.world, self.world, self.rank
+        mine = splits[me]
+        lo = max(start, me * size) - me * size  # where this rank's part of the range is in out
         send = temporary(end - start, wire_dtype, inp.device).copy_(inp[start:end])
-        recv = temporary(w * mine, wire_dtype, inp.device)
-        elem = send.element_size()
-        sent, received = (end - start - mine) * elem, (w - 1) * mine * elem
-        t0 = time.perf_counter()
-        try:
-            dist.all_to_all_single(recv, send, [mine] * w, splits, group=self.group)
-        except Exception as err:
-            raise self._failed("reduce_scatter", (end - start) * elem, t0, err) from err
-        self.stats.record(f"{self.name}.reduce_scatter", sent, received, time.perf_counter() - t0)
-        if mine:
-            lo = max(start, me * size) - me * size
-            _sum_rows(recv.view(w, mine), out[lo:lo + mine])
+        if not self.native:
+            recv = temporary(w * mine, wire_dtype, inp.device)
+            dist.all_to_all_single(recv, send, [mine] * w, splits, group=group)
+            if mine:
+                _sum_rows(recv.view(w, mine), out[lo:lo + mine])
+            return
+        at = 0
+        for r, n in enumerate(splits):
+            if n:
+                part = send[at:at + n]  # the range's part in shard r, summed onto rank r in place
+                self._call(dist.reduce, part, group_dst=r, group=group)
+                if r == me:
+                    out[lo:lo + n].copy_(part)
+                at += n
 
     def all_gather_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int) -> None:
         """:meth:`all_gather` of the elements ``[start, end)`` of ``out`` alone: each rank
         contributes the part of the range that lies in its own shard, from the same place of
         ``inp`` (this rank's shard). Over ranges that tile ``out`` it is :meth:`all_gather`, with
-        the same bytes in all ((W-1)/W · out's bytes sent and received per rank; per range, each
-        rank sends W-1 copies of its own part and receives the rest). One all-to-all with uneven
-        splits, received in place; ``inp`` may be of another dtype than ``out`` (its part is
-        converted: a range's worth, never the shard).
+        the same bytes in all ((W-1)/W · out's bytes sent and received per rank; counted per
+        range as an all-to-all moves them: each rank sends W-1 copies of its own part and
+        receives the rest). ``inp`` may be of another dtype than ``out`` (its part is converted:
+        a range's worth, never the shard).
+
+        On gloo one all-to-all with uneven splits, received in place. On the native branch one
+        broadcast per shard the range touches, from that shard's owner, in place in ``out`` (no
+        temporary; NCCL's ring broadcast, no point-to-point connections: see
+        :meth:`reduce_scatter_range`).
         """
         size, w, me = out.numel() // self.world, self.world, self.rank
         splits = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(w)]
         mine = splits[me]
-        lo = max(start, me * size) - me * size
-        send = inp[lo:lo + mine].to(out.dtype).repeat(w)
         elem = out.element_size()
-        sent, received = (w - 1) * mine * elem, (end - start - mine) * elem
-        t0 = time.perf_counter()
-        try:
-            dist.all_to_all_single(out[start:end], send, splits, [mine] * w, group=self.group)
-        except Exception as err:
-            raise self._failed("all_gather", (end - start) * elem, t0, err) from err
-        self.stats.record(f"{self.name}.all_gather", sent, received, time.perf_counter() - t0)
+        counted = ((w - 1) * mine * elem, (end - start - mine) * elem)
+        self._run("all_gather", (end - start) * elem, self._all_gather_range, out, inp, start, end, splits,
+                  counted=counted)
+
+    def _all_gather_range(self, out: torch.Tensor, inp: torch.Tensor, start: int, end: int, splits,
+                          group) -> None:
+        size, w, me = out.numel() // self.world, self.world, self.rank
+        mine = splits[me]
+        lo = max(start, me * size) - me * size
+        if not self.native:
+            send = inp[lo:lo + mine].to(out.dtype).repeat(w)
+            dist.all_to_all_single(out[start:end], send, splits, [mine] * w, group=group)
+            return
+        at = start
+        for r, n in enumerate(splits):
+            if n:
+                part = out[at:at + n]
+                if r == me:
+                    part.copy_(inp[lo:lo + n])
+                self._call(dist.broadcast, part, group_src=r, group=group)
+                at += n
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Concatenate every rank's ``inp``, in ``out``'s dtype, into ``out`` (W × inp). Cost:
         (W-1)/W · out bytes."""
         nbytes = out.numel() * out.element_size()
-        if self.reduce_scatter_by_all_to_all:
+        if not self.native:
             self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp, memory.CHUNK_BYTES)
         elif inp.dtype == out.dtype:
-            self._run("all_gather", nbytes, _all_gather, out, inp)
+            self._run("all_gather", nbytes, self._call, _all_gather, out, inp)
         else:  # no converted copy of the shard (2/W bytes per parameter for an fp32 master)
             self._run("all_gather", nbytes, self._all_gather_by_chunks, out, inp, NATIVE_CHUNK_BYTES)
 
@@ -284,12 +356,12 @@ class Collectives:
             if part_buf is not None:
                 part = part_buf[:part.numel()].copy_(part)
             stage = stage_buf[:self.world * part.numel()]
-            _all_gather(stage, part, group=group)
+            self._call(_all_gather, stage, part, group=group)
             rows[:, a:a + part.numel()].copy_(stage.view(self.world, -1))
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum ``t`` in place over the group. Cost: 2(W-1)/W · t bytes."""
-        self._run("all_reduce", t.numel() * t.element_size(), dist.all_reduce, t)
+        self._run("all_reduce", t.numel() * t.element_size(), self._call, dist.all_reduce, t)
 
     def counted_in(self, stats: CommStats) -> "Collectives":
         """The same group, counting into ``stats`` (e.g. checkpoint traffic kept out of training)."""
@@ -317,7 +389,7 @@ class GroupOfOne(Collectives):
         self.name = name
         self.world, self.rank = 1, 0
         self.ranks = [dist.get_rank()]
-        self.reduce_scatter_by_all_to_all = False
+        self.native = True
 
     def _copy(self, op: str, out: torch.Tensor, inp: torch.Tensor, via: torch.dtype) -> None:
         t0 = time.perf_counter()

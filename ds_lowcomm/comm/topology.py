@@ -12,14 +12,17 @@ of one rank is no group at all (:class:`~ds_lowcomm.comm.collectives.GroupOfOne`
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 from ds_lowcomm.comm.collectives import Collectives, CommStats, GroupOfOne, destroy_group
-from ds_lowcomm.config import LowCommConfigError
+from ds_lowcomm.config import AUTO, LowCommConfigError
 
 
 @dataclass
@@ -83,3 +86,61 @@ class Topology:
         for collectives in (self.shard, self.replica) + ((self.control,) if control else ()):
             if collectives is not None:
                 destroy_group(collectives.group)
+
+
+def warn_one_hardware_queue(cfg, modes: Mapping, env: Mapping[str, str] = os.environ,
+                            cuda: Optional[bool] = None) -> bool:
+    """Warn once per node when ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set and the mode of ``cfg``
+    (a :class:`~ds_lowcomm.config.LowCommConfig`; ``modes``: the registry) overlaps
+    communication with training, and say the fix. Returns whether it warned.
+
+    With one connection every CUDA stream of the process feeds one hardware queue, in launch
+    order: the comm worker's side stream, NCCL's and the training stream. An NCCL kernel that
+    waits for a slower peer then holds up every training kernel queued behind it, so the
+    overlap the mode exists for is lost (Megatron-style launchers set it to order tensor-parallel
+    communication, which ds_lowcomm does not use). ``"automatic"`` may pick an overlapping mode.
+    Only on CUDA (``cuda``: default whether CUDA is available)."""
+    if env.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return False
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    automatic = cfg.mode == AUTO
+    if not cuda or not (automatic or modes[cfg.mode].is_asynchronous(cfg.mode_options)):
+        return False
+    if env.get("LOCAL_RANK", "0") == "0":
+        what = "may pick a mode that overlaps" if automatic else "overlaps"
+        logging.getLogger("ds_lowcomm").warning(
+            "ds_lowcomm: CUDA_DEVICE_MAX_CONNECTIONS=1 is set: every CUDA stream shares one hardware queue, "
+            "so a collective waiting for a slower rank on the communication stream holds up the training "
+            "kernels queued behind it, and lowcomm.mode %r %s communication with training. Unset "
+            "CUDA_DEVICE_MAX_CONNECTIONS for this job (CUDA's default is 8 connections)", cfg.mode, what)
+    return True
+
+
+#: bytes of NCCL's buffer for one connection, by protocol, at NCCL 2.x's defaults (src/init.cc,
+#: src/include/device.h): LL 8 lines per thread × 512 threads × NCCL_STEPS (8) × 16-byte lines;
+#: LL128 120 elements per thread × 640 threads × 8 steps × 8 bytes; Simple 4 MiB (recent NCCL
+#: picks 1 MiB on some Arm hosts). ``NCCL_LL_BUFFSIZE``, ``NCCL_LL128_BUFFSIZE`` and
+#: ``NCCL_BUFFSIZE`` override them.
+NCCL_PROTOCOL_BUFFER_BYTES = {"NCCL_LL_BUFFSIZE": 8 * 512 * 8 * 16,
+                              "NCCL_LL128_BUFFSIZE": 120 * 640 * 8 * 8,
+                              "NCCL_BUFFSIZE": 4 << 20}
+
+
+def nccl_ring_buffer_bytes(channels: int, env: Mapping[str, str] = os.environ) -> int:
+    """Device bytes one rank's NCCL communicator holds for ring collectives over ``channels``
+    channels once every protocol has been used: per channel one connection's buffers (NCCL
+    allocates a connection's buffer at one of its two ends: the receiver, or the sender for
+    reads over NVLink), one per protocol (:data:`NCCL_PROTOCOL_BUFFER_BYTES`, or the
+    environment's values), about 9.2 MiB per channel at the defaults.
+
+    An estimate of what grows with the groups ds_lowcomm creates (every shard and replica group
+    is a communicator of its own), not a measurement. ``channels`` is NCCL's choice for the
+    topology: ``NCCL_DEBUG=INFO`` logs it ("%d coll channels") and ``NCCL_MAX_NCHANNELS`` caps it.
+    Not counted: tree connections (up to 3 children and a parent per channel), NVLS multicast
+    buffers on NVSwitch systems (``NCCL_NVLS_ENABLE=0`` turns them off), point-to-point
+    connections (all-to-all, send/recv), host memory of the proxy thread. Recent NCCL makes
+    connections at first use (``NCCL_RUNTIME_CONNECT``, default 1), so a protocol or algorithm a
+    communicator never runs costs nothing."""
+    per_channel = sum(int(env.get(name, default)) for name, default in NCCL_PROTOCOL_BUFFER_BYTES.items())
+    return channels * per_channel

@@ -19,6 +19,7 @@ import hjson
 import torch
 
 from ds_lowcomm import configs
+from ds_lowcomm.comm.topology import warn_one_hardware_queue
 from ds_lowcomm.config import SECTION, LowCommConfigError, check_section_name, parse
 from ds_lowcomm.modes import MODES
 
@@ -124,6 +125,7 @@ def initialize(*args, **kwargs):
         return _original_initialize(*bound.args, **bound.kwargs)
     check_deepspeed_version(deepspeed.__version__)
     cfg = parse(ds_config, MODES)
+    warn_one_hardware_queue(cfg, MODES, os.environ)  # CUDA_DEVICE_MAX_CONNECTIONS=1 and an overlapping mode
     a = bound.arguments
     if a.get("model") is None:
         raise LowCommConfigError("model: deepspeed.initialize needs a model")
