@@ -34,17 +34,26 @@ With Muon the second moment's sync packs the AdamW ranges only. Its term above b
 (R−1) · P_s / K_s; 4/S bytes per parameter per moment (the anchor). Synchronous only: refused
 with ``param_sync_delay``, whose flight carries the moments dense.
 ``param_sync_delay`` D > 0 streams the parameter syncs (Streaming DiLoCo's overlap, arXiv
-2501.18512): at a sync the master is copied and its all-reduce (and the outer step) runs on the
-comm worker while the next D local steps compute; after step t + D's update the result x̄ replaces
+2501.18512): at a sync the master is copied and its all-reduce (and the outer step) runs while
+the next D local steps compute; after step t + D's update the result x̄ replaces
 the master with the local progress since kept, θ ← x̄ + (θ_{t+D} − θ_t). Nothing computed is
 discarded (Streaming DiLoCo instead mixes θ ← α·θ_{t+D} + (1 − α)·x̄). D = 0 is the synchronous
-sync above; compressed syncs stream too (encoded at the launch, all-gathered on the worker). A
+sync above; compressed syncs stream too (encoded at the launch, all-gathered in the flight). A
 moment due at the launch goes in the same flight and is applied with it as
 m ← m_{t+D} + β^n·(m̄_t − m_t), n the replica's Adam steps since the launch, β the moment's decay
 (``ShardAdamW.decay``): an EMA's m_{t+D} = β^n·m_t + the new gradients' terms, so this is the
 moment it would hold had it restarted from the mean at t (the parameters' additive correction
 would keep (1 − β^n)·m_t of its own and could make v negative). The local steps stay on the
-training thread: the worker carries the syncs only, so D steps of compute can hide one. It costs
+training thread and never wait for a sync in flight, so D steps of compute can hide one. Every
+rank issues all of its collectives in an order the steps fix, never two communicators from two
+host threads at once (NCCL can deadlock then, "Using multiple NCCL communicators concurrently";
+tests/test_collective_order.py records it): with one rank per replica (``shard_group_size`` 1) the
+local step has no collective and the comm worker runs the sync's, blocking there; with shard
+groups of more than one rank the training thread issues the sync's collectives itself, as
+asynchronous work (``async_op``) inside the launching step, between its update and its
+all-gather, and waits for them inside step t + D at the same point, before applying the result
+(the shard group's collectives of the D steps between run beside them, issued from the same
+thread). It costs
 the master at the launch (4/S bytes per parameter), for dense syncs the buffer sent (4/S more),
 and 8/S per moment ever averaged (at the launch, and its wire); a save with a sync in flight waits
 for it and keeps its results and what was launched, so a resume applies it at the same step.
@@ -67,12 +76,15 @@ learning-rate schedule wait one step).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from ds_lowcomm.checkpoint import CheckpointError, ShardReader
+from ds_lowcomm.comm.collectives import CollectiveError, Collectives, wire_bytes
 from ds_lowcomm.comm.round import Round
 from ds_lowcomm.comm.worker import CommWorker, Ticket
 from ds_lowcomm.config import LowCommConfigError, option
@@ -124,38 +136,135 @@ class DeslocOptions:
 
 
 class ParamAverage(Round):
-    """A streamed parameter sync on the comm worker, launched by
-    :meth:`ReplicaSyncs.start_param_sync`: dense, ``wire`` (this replica's master, or with the
-    outer optimizer its pseudo-gradient anchor − master) all-reduced over the replica group, 4·N
-    bytes (N the shard's elements) of which 2(R−1)/R sent; compressed, the payload encoded at the
-    launch all-gathered, (R−1) payloads sent. It leaves the sync's result, the parameters every replica agrees on, in
-    :attr:`ReplicaSyncs.result` (the mean, or the anchor moved by the mean or the outer step).
-    Then each moment launched with it (:attr:`ReplicaSyncs.in_flight`): its wire averaged in place,
-    one all-reduce of its informative ranges (2(R−1)/R · 4 bytes per element), as a synchronous
-    sync would."""
+    """A streamed parameter sync, launched by :meth:`ReplicaSyncs.start_param_sync`: dense,
+    ``wire`` (this replica's master, or with the outer optimizer its pseudo-gradient anchor −
+    master) all-reduced over the replica group, 4·N bytes (N the shard's elements) of which
+    2(R−1)/R sent; compressed, the payload encoded at the launch all-gathered, (R−1) payloads
+    sent. Then each moment launched with it (:attr:`ReplicaSyncs.in_flight`): its wire averaged
+    in place, one all-reduce of its informative ranges (2(R−1)/R · 4 bytes per element), as a
+    synchronous sync would. It leaves the sync's result, the parameters every replica agrees on,
+    in :attr:`ReplicaSyncs.result` (the mean, or the anchor moved by the mean or the outer step).
+
+    Its collectives (:meth:`issue`) and the arithmetic on what they return (:meth:`complete`) run
+    on one of two threads (module doc): :meth:`run` both, on the comm worker, where the local step
+    issues no collective (one rank per replica); or :meth:`start` issues them on the training
+    thread as asynchronous work when it is launched, and :meth:`wait` waits for them and completes
+    the sync there when it is applied (or settled)."""
 
     def __init__(self, syncs: "ReplicaSyncs", replica) -> None:
         self.syncs, self.replica = syncs, replica
         self.moments = list(syncs.in_flight)  # (fixed at the launch: the collectives it issues)
+        self.gathered: Optional[torch.Tensor] = None  # compressed: every replica's payload
+        self.summed: Dict[str, Optional[torch.Tensor]] = {}  # by moment: what its all-reduce sums
+        self.pending: Optional[AsyncCollectives] = None  # started: the work not waited for yet
 
     def pack(self) -> None:
         """Nothing: :meth:`ReplicaSyncs.start_param_sync` fills the wire before submitting."""
 
     def run(self) -> None:
-        """On the comm worker: the sync's collectives (the class docstring's bytes)."""
-        syncs = self.syncs  # the anchor and outer momentum are the worker's until the sync is applied
+        """On the comm worker: the sync's collectives (the class docstring's bytes), blocking,
+        then their results applied."""
+        self.issue(self.replica)
+        self.complete()
+
+    def start(self) -> None:
+        """On the training thread: issue the sync's collectives as asynchronous work (the same
+        calls and bytes as :meth:`run`); never waits for them."""
+        self.pending = AsyncCollectives(self.replica)
+        self.issue(self.pending)
+
+    def wait(self) -> None:
+        """After :meth:`start`, on the training thread: wait for its collectives and complete the
+        sync (its result in :attr:`ReplicaSyncs.result`). Nothing once done, or never started
+        (a sync restored from a checkpoint has its result already)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+            self.complete()
+
+    def issue(self, comm) -> None:
+        """The collectives over ``comm`` (the replica group's :class:`Collectives`, blocking, or
+        an :class:`AsyncCollectives` on it): the payloads' all-gather or the wire's all-reduce,
+        then each moment's all-reduce."""
+        syncs = self.syncs
         if syncs.codec is not None:
-            syncs.apply_compressed(self.replica)
+            self.gathered = syncs.payload.new_empty(comm.world * syncs.codec.payload_bytes)
+            comm.all_gather(self.gathered, syncs.payload)
         else:
-            self.replica.all_reduce(syncs.wire)
-            syncs.wire.mul_(1.0 / self.replica.world)
+            comm.all_reduce(syncs.wire)
+        for key in self.moments:
+            self.summed[key] = sum_ranges(comm, syncs.moment_wire[key], syncs.moment_ranges[key])
+
+    def complete(self) -> None:
+        """What :meth:`issue`'s collectives returned, applied (no communication): the mean (or
+        the outer step, or the compressed payloads' means moving the anchor) and each moment's
+        mean in its wire. The anchor and outer momentum are the sync's until it is applied."""
+        syncs, world = self.syncs, self.replica.world
+        if syncs.codec is not None:
+            for mean, a, b in payload_means(syncs.codec, self.gathered, world):
+                syncs.outer_step(mean, slice(a, b))
+            self.gathered = None
+        else:
+            syncs.wire.mul_(1.0 / world)
             if syncs.outer:
                 syncs.outer_step(syncs.wire, slice(None))
         for key in self.moments:
-            average_ranges(self.replica, syncs.moment_wire[key], syncs.moment_ranges[key])
+            mean_ranges(world, syncs.moment_wire[key], syncs.moment_ranges[key], self.summed.pop(key))
 
     def install(self) -> None:
         """Nothing: :meth:`ReplicaSyncs.finish_param_sync` applies the result."""
+
+
+class AsyncCollectives:
+    """The replica group's collectives issued with ``async_op`` on the calling thread (the
+    training thread's streamed sync where its shard group has collectives of its own, module
+    doc): :meth:`all_reduce` and :meth:`all_gather` return at once, counted in the group's stats
+    as :class:`Collectives` counts them; :meth:`wait` waits for all of them, the time the host
+    blocks there (gloo; on CUDA the training stream waits instead, the host does not) counted as
+    waited for. A failure, at the issue or the wait, is raised as :class:`CollectiveError`."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm, self.world = comm, comm.world
+        self.works: List[tuple] = []  # (op, bytes, work)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over the group (on :meth:`wait`). Cost: 2(R−1)/R · t bytes."""
+        self._issue("all_reduce", t.numel() * t.element_size(), dist.all_reduce, t)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every rank's ``inp`` (the same dtype) into ``out``, in rank order (on :meth:`wait`).
+        Cost: (R−1)/R · out bytes."""
+        # (torch 2.13 deprecates the *_tensor spelling in favour of the *_single one)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._issue("all_gather", out.numel() * out.element_size(), fn, out, inp)
+
+    def _issue(self, op: str, nbytes: int, fn, *args) -> None:
+        comm, t0 = self.comm, time.perf_counter()
+        try:
+            work = fn(*args, group=comm.group, async_op=True)
+        except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
+            raise self._failed(op, nbytes, t0, err) from err
+        comm.stats.record(f"{comm.name}.{op}", *wire_bytes(op, nbytes, comm.world), time.perf_counter() - t0)
+        self.works.append((op, nbytes, work))
+
+    def wait(self) -> None:
+        """Wait for every collective issued, in order."""
+        t0 = time.perf_counter()
+        works, self.works = self.works, []
+        for op, nbytes, work in works:
+            try:
+                if work is not None:
+                    work.wait()
+            except Exception as err:
+                raise self._failed(op, nbytes, t0, err) from err
+        self.comm.stats.host_wait_seconds += time.perf_counter() - t0
+
+    def _failed(self, op: str, nbytes: int, t0: float, err: Exception) -> CollectiveError:
+        return CollectiveError(
+            f"ds_lowcomm: {op} of {nbytes} bytes on the {self.comm.name} group (a streamed desloc sync) failed "
+            f"on global rank {dist.get_rank()} after {time.perf_counter() - t0:.1f}s "
+            f"(collective_timeout_s={self.comm.timeout_s:g}): {err}. Another rank probably died or "
+            f"stalled; its log says why.")
 
 
 def sync_periods(options: DeslocOptions) -> Dict[str, int]:
@@ -183,8 +292,9 @@ class ReplicaSyncs:
         """The anchor (the parameters at the last sync) exists with the outer optimizer or
         compressed syncs; the error buffer with compressed syncs; with ``moment_sync_topk`` a
         :class:`MomentSync` per moment ever averaged; with ``param_sync_delay`` the streamed sync's
-        two buffers (and two per moment ever averaged) and ``worker``, the comm worker its
-        all-reduce runs on."""
+        two buffers (and two per moment ever averaged) and ``worker``: the comm worker its
+        collectives run on, or None to issue them on the training thread as asynchronous work
+        (where the local step has collectives of its own: module doc)."""
         master = adamw.master
         self.periods = sync_periods(options)
         self.rounds = 0
@@ -208,8 +318,9 @@ class ReplicaSyncs:
                     self.moment_syncs[key] = MomentSync(options, getattr(adamw, key), ranges,
                                                         nonnegative=key == "exp_avg_sq")
         self.delay, self.worker = options.param_sync_delay, worker
-        #: the streamed sync in flight (or run and not yet applied), and the round it is applied at
-        self.ticket: Optional[Ticket] = None
+        #: the streamed sync in flight (or run and not yet applied): the worker's ticket for it, or
+        #: the sync itself where the training thread issued it; and the round it is applied at
+        self.ticket: Optional[Union[Ticket, ParamAverage]] = None
         self.finish_at: Optional[int] = None
         #: the moments launched with it, and the inner optimizer's step count at the launch
         self.in_flight: List[str] = []
@@ -247,7 +358,7 @@ class ReplicaSyncs:
         AdamW ranges; one concatenated call would hold a copy of them all), a compressed sync in
         one all-gather of its payload. With ``param_sync_delay``, first apply the streamed sync due this round (``param_groups``: the
         betas its moments decay by), then launch the parameter sync, and the moments due with it,
-        instead of running them (their bytes the same, sent from the comm worker)."""
+        instead of running them (their bytes the same, sent in the flight: :meth:`start_param_sync`)."""
         self.rounds += 1
         if self.finish_at == self.rounds:
             self.finish_param_sync(adamw, param_groups)
@@ -260,7 +371,7 @@ class ReplicaSyncs:
             return
         if self.ticket is not None:
             # One collective at a time on the replica group, in the same order on every rank: a
-            # sync still on the worker runs first (with periods that are multiples of Kx, none is).
+            # sync still in flight completes first (with periods that are multiples of Kx, none is).
             # A moment averaged now needs no correction from it any more: the replicas' mean of
             # the corrected moments is the mean of the uncorrected ones.
             self.settle()
@@ -279,11 +390,12 @@ class ReplicaSyncs:
             adamw.master.copy_(self.anchor)
 
     def start_param_sync(self, adamw: ShardAdamW, replica, moments: List[str], param_groups) -> None:
-        """Launch a streamed parameter sync (module doc) on the comm worker, with the ``moments``
-        due in the same round, to be applied after the update of round ``rounds + delay``: dense,
-        the wire filled here; compressed, the payload encoded here (on the training thread/stream,
-        from the master now); each moment copied to its wire. Never blocks (a sync still pending
-        is applied first: only after a change of periods)."""
+        """Launch a streamed parameter sync (module doc) with the ``moments`` due in the same
+        round, to be applied after the update of round ``rounds + delay``: dense, the wire filled
+        here; compressed, the payload encoded here (on the training thread/stream, from the
+        master now); each moment copied to its wire. Then its collectives: submitted to the comm
+        worker, or, without one, issued here as asynchronous work (:meth:`ParamAverage.start`).
+        Never blocks (a sync still pending is applied first: only after a change of periods)."""
         if self.ticket is not None:
             self.finish_param_sync(adamw, param_groups)
         master = adamw.master
@@ -300,7 +412,12 @@ class ReplicaSyncs:
             self.moment_wire[key].copy_(state)
             self.moment_ranges[key] = adamw.informative_ranges(key)
         self.in_flight, self.launch_step = moments, adamw.step_count
-        self.ticket = self.worker.submit(ParamAverage(self, replica))
+        sync = ParamAverage(self, replica)
+        if self.worker is not None:
+            self.ticket = self.worker.submit(sync)
+        else:
+            sync.start()
+            self.ticket = sync
         self.finish_at = self.rounds + self.delay
 
     def finish_param_sync(self, adamw: ShardAdamW, param_groups) -> None:
@@ -319,9 +436,19 @@ class ReplicaSyncs:
         self.ticket = self.finish_at = None
 
     def settle(self) -> None:
-        """Wait until the streamed sync in flight, if any, has run (its result in :attr:`result`)."""
-        if self.ticket is not None:
+        """Wait until the streamed sync in flight, if any, has run (its result in :attr:`result`):
+        for the comm worker's ticket, or for the training thread's asynchronous work (then
+        completing the sync here)."""
+        if isinstance(self.ticket, ParamAverage):
+            self.ticket.wait()
+        elif self.ticket is not None:
             self.worker.wait(self.ticket)
+
+    def restored(self, replica) -> Union[Ticket, ParamAverage]:
+        """A streamed sync restored from a checkpoint, its result already in :attr:`result`: as
+        :attr:`ticket` holds one that has run."""
+        sync = ParamAverage(self, replica)
+        return sync if self.worker is None else Ticket.completed(sync)
 
     def outer_step(self, delta: torch.Tensor, sl: slice) -> None:
         """The anchor's elements ``sl`` moved by the pseudo-gradient ``delta`` (consumed): plain
@@ -428,15 +555,21 @@ def packed_pieces(ranges, a: int, b: int):
 
 def gathered_means(codec: ChunkTopK, replica, payload: torch.Tensor):
     """Every replica's ``payload`` in one all-gather (``codec.payload_bytes`` each; (R−1)/R of the
-    R payloads sent per rank); yields the mean of what they sent a block of chunks at a time, as
-    ``(mean, a, b)``: elements ``[a, b)`` of the encoded vector (``mean``, b − a of them, is a
-    temporary: use it before taking the next). The same bits on every replica."""
+    R payloads sent per rank); returns :func:`payload_means` of them. The same bits on every
+    replica."""
     gathered = payload.new_empty(replica.world * codec.payload_bytes)
     replica.all_gather(gathered, payload)
-    payloads = list(gathered.chunk(replica.world))
+    return payload_means(codec, gathered, replica.world)
+
+
+def payload_means(codec: ChunkTopK, gathered: torch.Tensor, world: int):
+    """The mean of the ``world`` payloads ``gathered`` (concatenated in rank order) a block of
+    chunks at a time, as ``(mean, a, b)``: elements ``[a, b)`` of the encoded vector (``mean``,
+    b − a of them, is a temporary: use it before taking the next). No communication."""
+    payloads = list(gathered.chunk(world))
     for r0, r1 in codec.row_blocks():
         a, b = r0 * codec.chunk, min(codec.numel, r1 * codec.chunk)
-        mean = temporary((r1 - r0) * codec.chunk, torch.float32, payload.device).view(r1 - r0, codec.chunk)
+        mean = temporary((r1 - r0) * codec.chunk, torch.float32, gathered.device).view(r1 - r0, codec.chunk)
         codec.mean_into(payloads, r0, r1, mean)
         yield mean.view(-1)[: b - a], a, b
 
@@ -445,20 +578,37 @@ def average_ranges(replica, state: torch.Tensor, ranges) -> None:
     """Average the elements ``ranges`` (``(start, end)`` pairs, the same on every rank of
     ``replica``; None: all of ``state``, in place) of ``state`` over the replica group, packed
     into one all-reduce of 4 bytes per element; the rest of ``state`` is left as it is."""
+    mean_ranges(replica.world, state, ranges, sum_ranges(replica, state, ranges))
+
+
+def sum_ranges(comm, state: torch.Tensor, ranges) -> Optional[torch.Tensor]:
+    """The first half of :func:`average_ranges`: the sum over ``comm`` of ``state``'s elements
+    ``ranges`` (None: ``state`` itself, in place), packed into a buffer of their own; returns
+    what the all-reduce sums (``state``, the packed buffer, or None where ``ranges`` are
+    empty and nothing is sent). With an :class:`AsyncCollectives`, summed once it is waited for."""
     if ranges is None:
-        replica.all_reduce(state)
-        state.mul_(1.0 / replica.world)
-        return
+        comm.all_reduce(state)
+        return state
     total = sum(b - a for a, b in ranges)
     if total == 0:
-        return
+        return None
     packed = temporary(total, state.dtype, state.device)
     for at, lo, hi in packed_pieces(ranges, 0, total):
         packed[at:at + hi - lo].copy_(state[lo:hi])
-    replica.all_reduce(packed)
-    packed.mul_(1.0 / replica.world)
-    for at, lo, hi in packed_pieces(ranges, 0, total):
-        state[lo:hi].copy_(packed[at:at + hi - lo])
+    comm.all_reduce(packed)
+    return packed
+
+
+def mean_ranges(world: int, state: torch.Tensor, ranges, summed: Optional[torch.Tensor]) -> None:
+    """The second half of :func:`average_ranges`: ``summed`` (what :func:`sum_ranges` returned,
+    summed over ``world`` ranks) divided by them, into ``state``'s elements ``ranges``. No
+    communication."""
+    if summed is None:
+        return
+    summed.mul_(1.0 / world)
+    if ranges is not None:
+        for at, lo, hi in packed_pieces(ranges, 0, summed.numel()):
+            state[lo:hi].copy_(summed[at:at + hi - lo])
 
 
 def saved_sync_result(keys) -> str:
@@ -582,9 +732,13 @@ class Desloc(Mode):
                                    ctx.topology.shard)
         else:
             self.adamw = ShardAdamW(ctx.flat.layout, ctx.flat.buffer)
-        self.syncs = ReplicaSyncs(options, self.adamw, ctx.worker)
-        # The local step runs on the training thread; the comm worker (param_sync_delay > 0) is
-        # the streamed syncs' alone, so a sync in flight never queues a step behind it.
+        # The local step runs on the training thread, so a sync in flight never queues a step
+        # behind it. A streamed sync's collectives (param_sync_delay > 0) run on the comm worker
+        # only where the local step has none (one rank per replica); with shard groups of more
+        # than one rank the training thread issues them too, as asynchronous work: every
+        # collective of a rank from one thread, in the order the steps fix (module doc).
+        streams_on_worker = ctx.topology.shard.world == 1
+        self.syncs = ReplicaSyncs(options, self.adamw, ctx.worker if streams_on_worker else None)
         self.local_ctx = dataclasses.replace(ctx, worker=None)
 
     def step(self) -> None:
@@ -735,7 +889,7 @@ class Desloc(Mode):
                     syncs.moment_wire[k].copy_(read(f"sync_result_{k}"))
                     syncs.moment_launched[k].copy_(read(f"sync_launched_{k}"))
                 syncs.in_flight, syncs.launch_step = moments, launch_step
-                syncs.ticket = Ticket.completed(ParamAverage(syncs, topo.replica))
+                syncs.ticket = syncs.restored(topo.replica)
                 syncs.finish_at = int(meta["sync_finish_at"])
             else:
                 apply_saved_sync(keys, a.master, params, read, full)
