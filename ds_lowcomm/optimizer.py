@@ -21,7 +21,8 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from ds_lowcomm.checkpoint import FORMAT, CheckpointError, shard_meta
 from ds_lowcomm.checkpoint.migrate import upgrade_meta
 from ds_lowcomm.comm.collectives import CommStats
+from ds_lowcomm.comm.round import StepRound
 from ds_lowcomm.auto import Choice, Measured, agree, choose, describe, desloc_delay, predict_sync_s, ranks_per_node
 from ds_lowcomm.config import AUTO, LowCommConfig, LowCommConfigError
 from ds_lowcomm.memory import release_freed_heap
@@ -127,6 +129,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
         # lowcomm.pace: by default the fastest rank sets the pace where the mode's rounds can
         # carry the paces ("slowest", or a mode that cannot: every micro-batch computed).
         self.pacer: Optional[Pacer] = None
+        #: installed rounds whose verdicts have not reached the host yet, oldest first
+        self._unread: Deque[StepRound] = deque()
         if not auto:
             self._start_mode()
 
@@ -146,7 +150,8 @@ class LowCommOptimizer(torch.optim.Optimizer):
             param_groups=self.param_groups, comm_dtype=self.comm_dtype, gradient_clipping=self.gradient_clipping,
             gradient_accumulation_steps=self.gradient_accumulation_steps, checkpoint_comm=self.checkpoint_comm,
             _loss_scale=lambda: self.loss_scale, _steps=lambda: self.steps, step_taken=self.step_taken,
-            record_step=self.record_step, modules=self.modules, pacer=self.pacer), config.mode_options)
+            record_step=self.record_step, land_verdict=self.land_verdict, modules=self.modules,
+            pacer=self.pacer), config.mode_options)
         if self._marks_boundaries is not None:  # the loop was bound while "automatic" was choosing
             self.bind_loop(self._marks_boundaries)
 
@@ -386,6 +391,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
                 self.pacer.begin_micro_batch()
         if self.pacer is not None:
             self.pacer.end_micro_batch()  # before the mode's switch and its waits
+        self.read_verdicts()
         self.grads.count(computed, weight)
         self.micro_batches += computed  # the backward passes: what was trained on
         self.mode.on_micro_batch_end(boundary)
@@ -484,14 +490,37 @@ class LowCommOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Install any update still in flight (call before exporting the final model); collective,
-        its cost the mode's :meth:`Mode.flush`."""
+        its cost the mode's :meth:`Mode.flush`. Every installed round's verdict is then read."""
         if self.mode is not None:
             self.mode.flush()
+        self.read_verdicts(wait=True)
 
     def settle(self) -> None:
-        """Every rank at the same step, no round running (collective; see :meth:`Mode.settle`)."""
+        """Every rank at the same step, no round running (collective; see :meth:`Mode.settle`),
+        and every installed round's verdict read (a host wait for those still on the device)."""
         if self.mode is not None:
             self.mode.settle()
+        self.read_verdicts(wait=True)
+
+    def land_verdict(self, rnd: StepRound) -> None:
+        """Called when ``rnd``'s result is installed: its verdict is recorded (:meth:`record_step`)
+        now if it has reached the host (always on the CPU), else at a later micro-batch, or
+        :meth:`settle`, in order. Never waits for the device. No communication."""
+        self._unread.append(rnd)
+        self.read_verdicts()
+
+    def read_verdicts(self, wait: bool = False) -> None:
+        """Record the verdicts of installed rounds, oldest first: those whose copy has reached the
+        host, or with ``wait`` all of them (on a GPU, a host wait for each still on its way:
+        counted in ``verdict_waits``). No communication."""
+        while self._unread and (wait or self._unread[0].verdict_ready()):
+            rnd = self._unread.popleft()
+            if rnd.read_verdict(wait=not rnd.verdict_ready()):
+                self.stats.verdict_waits += 1
+            if rnd.records_step:
+                self.record_step(rnd.step_number, rnd.grad_norm, rnd.skipped, rnd.nonfinite_ranks)
+            if rnd.on_verdict is not None:
+                rnd.on_verdict(rnd)
 
     def destroy(self) -> None:
         """Stop the comm worker (rounds already queued run first), remove the gradient hooks and
@@ -500,6 +529,7 @@ class LowCommOptimizer(torch.optim.Optimizer):
         the last rounds' collectives, which every rank started, complete."""
         if self.worker is not None:
             self.worker.close()
+        self._unread.clear()
         self.grads.remove_hooks()
         if self.flat.device.type == "cuda":
             # Collectives the training stream issued (synchronous rounds) finish before their

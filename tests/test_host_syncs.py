@@ -7,9 +7,14 @@ steps of a real 2-rank run the test counts every such call whose caller is ds_lo
 and holds each mode to its count, so that none can grow back unseen. ``tools/gpu_check.py call1``
 takes the same inventory on a GPU with ``torch.cuda.set_sync_debug_mode``.
 
-The target: none on the training thread in ``acco`` and ``zero1`` with overlap (the comm thread's
-reads stall only communication). The synchronous modes read the global norm's verdict on the
-training thread (skip the update or not: the host decides), once per step. And no device-wide
+A round's verdict (norm, skip, counts) stays on the device and reaches the host as a copy that
+the host reads once it has landed (``StepRound.read_verdict``): not a host wait, unless the
+reader asked to wait for it, which ``comm_stats()["verdict_waits"]`` counts. The test counts the
+two apart: a read inside ``read_verdict`` is the copy's; the waits come from the counter.
+
+The target: none on any thread in ``acco``, ``zero1`` with overlap (inside a round or out). The
+synchronous modes wait for the global norm's verdict on the training thread (skip the update or
+not: the host decides, as DeepSpeed's step does), once per step. And no device-wide
 ``synchronize`` in any mode: DeepSpeed's throughput timer (0.19.8) makes one at every forward and
 step unless its config says ``"synchronized": false``, which ds_lowcomm sets.
 """
@@ -26,14 +31,17 @@ from dist import run_ranks
 pytestmark = pytest.mark.integration
 
 MODES = workers.STEP_MODES
-#: host reads per step on the training thread: the synchronous modes' global norm (its verdict
-#: decides on the host whether to update); none in the overlapped ones
+#: host waits per step on the training thread: the synchronous modes' verdict (it decides on the
+#: host whether to update; a verdict wait); none in the overlapped ones
 TRAINING_THREAD = {"zero1": 1, "zero1-overlap": 0, "acco": 0, "demo-overlap": 0, "desloc": 1}
-#: the comm thread's reads, where a read stalls only communication: per round (a round's norm;
-#: acco's rounds also share the ranks' micro-batch counts; DeMo's round checks its encoding and
-#: decoding) and rounds per step. The round in flight when the count starts may read inside it.
-COMM_THREAD_READS = {"zero1": (0, 0), "zero1-overlap": (1, 1), "acco": (2, 2), "demo-overlap": (3, 1),
+#: the comm thread's reads, where a read stalls only communication: per round (DeMo's round
+#: checks its encoding and decoding) and rounds per step. The round in flight when the count
+#: starts may read inside it.
+COMM_THREAD_READS = {"zero1": (0, 0), "zero1-overlap": (0, 0), "acco": (0, 0), "demo-overlap": (0, 0),
                      "desloc": (0, 0)}
+#: verdict copies read per step once landed (not waits): a round's, for every round that carries
+#: one (acco: its estimate round's counts too)
+STAGED_READS = {"zero1": 1, "zero1-overlap": 1, "acco": 2, "demo-overlap": 1, "desloc": 1}
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 WARM, COUNTED = 3, 2
 
@@ -55,7 +63,8 @@ def _count(rank, world):
                 ours = [f for f in traceback.extract_stack()[:-1] if "/ds_lowcomm/" in f.filename]
                 if ours:
                     where = f"{ours[-1].filename.split('/ds_lowcomm/')[-1]}:{ours[-1].lineno}"
-                    seen[(threading.current_thread().name, where, name)] += 1
+                    thread = "staged" if ours[-1].name == "read_verdict" else threading.current_thread().name
+                    seen[(thread, where, name)] += 1
                 return original(self, *a, **k)
             return read
 
@@ -69,8 +78,10 @@ def _count(rank, world):
         for name in READS:
             setattr(torch.Tensor, name, recording(name))
         accelerator.synchronize = recording_synchronize
+        waits = engine.optimizer.comm_stats()["verdict_waits"]
         try:
             workers.train(engine, COUNTED, start=WARM, rank=rank)
+            seen[("verdict_waits", "-", "-")] = engine.optimizer.comm_stats()["verdict_waits"] - waits
         finally:
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
@@ -94,7 +105,12 @@ def test_host_reads_per_step(counts, mode):
         per_thread[thread] += n
     reads = sorted(counts[mode].items())
     assert per_thread.pop("any") == 0, reads  # no device-wide synchronize
-    assert per_thread.pop("MainThread", 0) / COUNTED == TRAINING_THREAD[mode], reads
+    # (every verdict wait is the training thread's: the synchronous rounds run there)
+    assert (per_thread.pop("MainThread", 0) + per_thread.pop("verdict_waits")) / COUNTED == TRAINING_THREAD[mode], reads
+    # a landed copy read per round that carries a verdict (the round in flight at either end of
+    # the count may be read inside it or not)
+    staged = per_thread.pop("staged", 0)
+    assert STAGED_READS[mode] * COUNTED - 1 <= staged <= STAGED_READS[mode] * COUNTED + 1, reads
     # (a round in flight at either end of the count may read inside it or not)
     per_round, rounds = COMM_THREAD_READS[mode]
     assert per_thread.pop("ds_lowcomm-comm", 0) <= per_round * (rounds * COUNTED + 1), reads

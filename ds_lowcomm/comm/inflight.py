@@ -48,9 +48,11 @@ class InFlight:
     def settle(self) -> None:
         """Wait for the round to have run, without installing it (on CUDA: enqueued, the
         training stream ordered after it, so what the training stream reads next, a copy to the
-        host included, sees its results)."""
+        host included, sees its results), and read its verdict (on CUDA a host wait for the
+        device: a checkpoint's, a flush's; never in a step)."""
         if self.ticket is not None:
             self.worker.wait(self.ticket)
+            self.ticket.round.read_verdict(wait=True)
 
     def install(self) -> Optional[StepRound]:
         """Wait for the round, copy its result into the model's parameters (or add it, when the

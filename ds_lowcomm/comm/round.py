@@ -17,7 +17,7 @@ A round moves through three calls, on two threads::
 from __future__ import annotations
 
 import abc
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -45,7 +45,17 @@ class StepRound(Round):
     ``grad_norm`` is the norm of the reduced gradient; ``skipped`` says it was non-finite and the
     update was not applied; ``nonfinite_ranks`` names, when known, the global ranks whose own
     gradient sums were non-finite. ``loss_scale`` and ``step_number`` are captured at pack time.
+
+    The verdict is computed on the device. ``run()`` ends with :meth:`stage`, which copies it to
+    host memory without making the host wait (pinned memory and an event on CUDA); the host reads
+    it with :meth:`read_verdict` once :meth:`verdict_ready` says the copy has landed, so a round
+    in flight never stalls the training thread or the comm worker. ``records_step``: the verdict
+    is a step's (an acco estimate round's is not: only its counts are read); ``on_verdict(round)``,
+    when set, runs when the read verdict of the installed round reaches the optimizer (a mode's
+    pacing reads the counts there).
     """
+
+    records_step = True
 
     def __init__(self) -> None:
         self.grad_norm: float = float("nan")
@@ -56,6 +66,45 @@ class StepRound(Round):
         #: when set, the round's result is this change to the parameters the model held when the
         #: round was launched (installed by adding it), not the parameters themselves
         self.delta: Optional[torch.Tensor] = None
+        self.on_verdict: Optional[Callable[["StepRound"], None]] = None
+        self._staged: Optional[torch.Tensor] = None
+        self._staged_event = None
+
+    def stage(self, verdict: torch.Tensor) -> None:
+        """End of ``run()``: start copying ``verdict`` (a 1-D device tensor) to the host. On CUDA
+        into pinned memory on the current stream, then an event: the host never waits here. On
+        the CPU the tensor is its own host copy."""
+        if verdict.device.type == "cuda":
+            host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
+            host.copy_(verdict, non_blocking=True)
+            self._staged_event = torch.cuda.Event()
+            self._staged_event.record()
+            self._staged = host
+        else:
+            self._staged, self._staged_event = verdict, None
+
+    def verdict_ready(self) -> bool:
+        """Whether :meth:`read_verdict` can read without waiting for the device (nothing staged,
+        the CPU, or the copy's event has completed). Never blocks."""
+        return self._staged_event is None or self._staged_event.query()
+
+    def read_verdict(self, wait: bool = False) -> bool:
+        """Read the staged verdict into this round (:meth:`apply_verdict`); a no-op once read, or for a round restored from a checkpoint. ``wait``: the caller
+        accepts a host wait for the copy (a synchronous step's one read); without it, call only
+        when :meth:`verdict_ready`. Returns whether the read was such a wait (counted by
+        callers: on a GPU it stalls the host)."""
+        if self._staged is None:
+            return False
+        if not wait and not self.verdict_ready():
+            raise RuntimeError("read_verdict: the verdict's copy has not landed; ask verdict_ready() first")
+        if self._staged_event is not None:
+            self._staged_event.synchronize()  # completed already unless ``wait``
+        values, self._staged, self._staged_event = self._staged.tolist(), None, None
+        self.apply_verdict(values)
+        return wait
+
+    def apply_verdict(self, values: List[float]) -> None:
+        """Subclasses: take the host copy of what :meth:`stage` was given."""
 
     def capture_step(self, loss_scale: float, steps_taken: int) -> None:
         """At pack time: the fp16 loss scale the gradients carry, and the step this round makes."""

@@ -134,13 +134,21 @@ class AccoRound(ShardedStepRound):
         """Phase 2 in ``wire_dtype`` (bf16 for an estimate by default): (W−1)/W · P · wire bytes."""
         return reduce_gradient(self.ctx, self.grads, self.wire_dtype)
 
-    def update(self, grad: torch.Tensor, factor: float) -> torch.Tensor:
-        """Phase 4: the estimate (AdamW's result, the state untouched) or the real step; with
-        ``delta``, its change from the parameters the model holds, in ``delta``'s dtype. Local."""
+    @property
+    def records_step(self) -> bool:
+        """An estimate's norm is of half a step's gradient: not the step's (its counts are read)."""
+        return not self.estimate
+
+    def update(self, grad: torch.Tensor, factor) -> torch.Tensor:
+        """Phase 4: the estimate (AdamW's result, the state untouched: the master itself where
+        the verdict skips it) or the real step; with ``delta``, its change from the parameters
+        the model holds, in ``delta``'s dtype. Local."""
         if self.estimate:
-            out = self.adamw.master.to(self.target.dtype, copy=True)
-            if not self.skipped:
-                self.adamw.estimate(grad, self.hyper, out, factor)
+            out = torch.empty(self.adamw.master.shape, dtype=self.target.dtype, device=self.adamw.master.device)
+            if self.host_verdict and self.skipped:
+                out.copy_(self.adamw.master)
+            else:
+                self.adamw.estimate(grad, self.hyper, out, factor, None if self.host_verdict else self.found_inf)
         else:
             out = super().update(grad, factor)
         if self.delta is not None:
@@ -154,9 +162,6 @@ class AccoRound(ShardedStepRound):
         (param or delta) bytes."""
         self.ctx.topology.shard.all_gather(self.target if self.delta is None else self.delta, out)
 
-    def install(self) -> None:
-        if not self.estimate:  # an estimate's norm is of half a step's gradient: not the step's
-            super().install()
 
 
 class Acco(Mode):
@@ -309,12 +314,18 @@ class Acco(Mode):
             self._switch()
 
     def _install(self) -> None:
-        """Make the finished round's result (if any) the model's parameters."""
-        rnd = self.inflight.install()
-        counts = None if rnd is None else rnd.counts
-        if counts is not None and counts.rank_counts is not None:  # (None: restored from a checkpoint)
+        """Make the finished round's result (if any) the model's parameters; its verdict and
+        counts follow once they have reached the host (:meth:`_after_verdict`: at once under
+        ``accumulate_while_waiting``, which installs only rounds the device has finished)."""
+        self.inflight.install()
+
+    def _after_verdict(self, rnd: AccoRound) -> None:
+        """A round's counts on the host: every rank's micro-batches, and the paces that set this
+        rank's quota (``balance``) or the pacer's next blocks."""
+        counts = rnd.counts
+        if counts.rank_counts is not None:
             self.rank_round_counts.append(counts.rank_counts)
-        if counts is None or counts.rank_paces is None:
+        if counts.rank_paces is None:
             return
         if self.balance:
             paces = [p[0] for p in counts.rank_paces]
@@ -351,6 +362,7 @@ class Acco(Mode):
         rnd = AccoRound(self.ctx, self.adamw, self.send, self.gathered, counts, estimate=self.next_estimate,
                         wire_dtype=torch.bfloat16 if cheap else None,
                         delta=self.estimate_delta if self.next_estimate else self.real_delta)
+        rnd.on_verdict = self._after_verdict
         rnd.pack()
         self.inflight.launch(rnd)
         self.round_counts.append(count)
@@ -458,4 +470,4 @@ class Acco(Mode):
                 part = shards.rank_state(r)
                 grads.buffer[:numel].add_(part["accumulator"][:numel].to(grads.buffer.device))
                 grads.micro_batches += int(part["micro_batches"])
-                grads.weights.add_(torch.tensor(part["weights"], dtype=torch.float64))
+                grads.weights.add_(torch.tensor(part["weights"], dtype=torch.float64, device=grads.weights.device))

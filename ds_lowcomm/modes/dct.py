@@ -38,11 +38,9 @@ from typing import List, Tuple
 
 import torch
 
+from ds_lowcomm.memory import step_chunk_bytes
+
 VALUE_FORMATS = ("bf16", "sign")
-
-
-#: tiles transformed at a time (their two products' temporaries): a few MB, never shard-sized
-TILE_BATCH_BYTES = 8 << 20
 
 
 @lru_cache(maxsize=8)
@@ -169,14 +167,15 @@ class DctTopK:
         return self._transform(coeffs.clone(), inverse=True)
 
     def _transform(self, tiles: torch.Tensor, inverse: bool) -> torch.Tensor:
-        """``D X Dᵀ`` (``Dᵀ X D`` when ``inverse``) of each tile, in place, ``TILE_BATCH_BYTES``
-        of tiles at a time: a whole-shard product would hold two more shard-sized fp32
+        """``D X Dᵀ`` (``Dᵀ X D`` when ``inverse``) of each tile, in place, a
+        :func:`~ds_lowcomm.memory.step_chunk_bytes` of tiles at a time (8 MiB on the CPU, 64 MiB
+        on a GPU): a whole-shard product would hold two more shard-sized fp32
         temporaries (8/S bytes per parameter). The products follow the script's TF32 setting
         (``torch.backends.cuda.matmul``), a process-wide flag this comm-thread code leaves alone:
         sender and receivers decode with the same kernels, so the error feedback stays exact."""
         d = _basis(self.chunk, str(tiles.device))
         left, right = (d.T, d) if inverse else (d, d.T)
-        batch = max(1, TILE_BATCH_BYTES // (self.chunk * self.chunk * 4))
+        batch = max(1, step_chunk_bytes(tiles.device) // (self.chunk * self.chunk * 4))
         for a in range(0, tiles.shape[0], batch):
             part = tiles[a:a + batch]
             torch.matmul(left @ part, right, out=part)
@@ -192,7 +191,7 @@ class DctTopK:
         """
         coeffs = self._transform(self.to_tiles(flat), inverse=False).reshape(self.tiles, -1)
         idx = torch.empty(self.tiles, self.topk, dtype=torch.int64, device=coeffs.device)
-        batch = max(1, TILE_BATCH_BYTES // (self.chunk * self.chunk * 4))
+        batch = max(1, step_chunk_bytes(coeffs.device) // (self.chunk * self.chunk * 4))
         for a in range(0, self.tiles, batch):  # |coefficients| a batch of tiles at a time
             part = coeffs[a:a + batch].abs().topk(self.topk, dim=1, sorted=False).indices
             # Sorting makes the selection independent of topk's internal order: a deterministic wire.

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 
 from ds_lowcomm.checkpoint import ShardReader
-from ds_lowcomm.memory import CHUNK_BYTES, temporary
+from ds_lowcomm.memory import step_chunk_bytes, temporary
 from ds_lowcomm.config import LowCommConfigError, option
 from ds_lowcomm.modes.dct import VALUE_FORMATS, DctTopK
 from ds_lowcomm.shard.flat import gather_full
@@ -50,7 +50,7 @@ from ds_lowcomm.comm.inflight import InFlight
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.modes.base import Mode, ModeState, require_shard_group_size
 from ds_lowcomm.comm.round import StepRound
-from ds_lowcomm.shard.step import all_finite, clip_by_global_norm, clip_scale_tensor, nonfinite_ranks, step_now
+from ds_lowcomm.shard.step import clip_scale_tensor, finite_flag, judge, nonfinite, step_now
 
 if TYPE_CHECKING:
     from ds_lowcomm.config import LowCommConfig
@@ -83,6 +83,7 @@ class DemoShard:
     def __init__(self, master: torch.Tensor) -> None:
         self.master = master
         self.momentum = torch.zeros_like(master)
+        #: updates applied, as each round's verdict is read on the host
         self.step_count = 0
 
 
@@ -91,12 +92,13 @@ class DemoRound(StepRound):
 
     Reads the padded flat gradient sums ``grads``; updates ``shard`` (δ and the master); writes
     the new parameters, all-gathered over the shard group, into ``target``. Communication per
-    round: shard group of W ranks: reduce-scatter (W−1)/W·P·comm bytes, a 4-byte norm
-    all-reduce, all-gather (W−1)/W·P·param bytes; replica group of R: all-gather (R−1)·payload.
+    round: shard group of W ranks: reduce-scatter (W−1)/W·P·comm bytes, an all-reduce of the
+    norm and W finite flags (2(W−1)/W · 4(W+1) bytes), all-gather (W−1)/W·P·param bytes; replica group of R: all-gather (R−1)·payload.
 
     Non-finite guard: a shard group whose gradient norm is NaN/inf (or whose new δ is) sends NaN
     values, so the decoded mean update is non-finite on every replica; then nobody commits δ or
-    touches the master, and the all-gather hands back the unchanged weights. The new δ is built
+    touches the master, and the all-gather hands back the unchanged weights. The verdicts stay
+    on the device (the host reads a landed copy once the round is installed); the new δ is built
     beside the old one until then: one more shard-sized fp32 buffer while the round runs.
     """
 
@@ -118,13 +120,13 @@ class DemoRound(StepRound):
         ctx, hyper, state, codec = self.ctx, self.hyper, self.shard, self.codec
         shard, replica = ctx.topology.shard, ctx.topology.replica
 
+        own_nonfinite = nonfinite(self.grads.sum(dtype=torch.float64))
         grad = temporary(ctx.flat.layout.shard_size, torch.float32, self.grads.device)
         shard.reduce_scatter(grad, self.grads, wire_dtype=ctx.comm_dtype)
         grad.mul_(1.0 / (shard.world * self.loss_scale))
-        self.grad_norm = clip_by_global_norm(shard, grad, ctx.gradient_clipping)
-        local_ok = math.isfinite(self.grad_norm)  # one verdict per shard group
-        if not local_ok:
-            self.nonfinite_ranks = nonfinite_ranks(shard, all_finite(self.grads), self.grads.device)
+        # The verdicts stay on the device (no host read inside the round): the shard group's
+        # norm, clipped in place, and which of its ranks' own sums were not finite.
+        norm, _, flags = judge(shard, grad, 1.0, ctx.gradient_clipping, own_nonfinite)
 
         # δ is updated into a new tensor and committed only once every replica's verdict is in.
         momentum = state.momentum * self.beta
@@ -132,12 +134,11 @@ class DemoRound(StepRound):
             sl = slice(seg.start, seg.end)
             momentum[sl].add_(grad[sl], alpha=hyper[seg.group]["lr"])
         del grad  # freed before the codec's buffers: the step's peak stays at Demo.state_bytes
-        local_ok = local_ok and all_finite(momentum)  # a reduction: no shard-sized flags
+        local_ok = nonfinite(norm).logical_not() & finite_flag(momentum)  # one verdict per shard group
         idx, vals = codec.encode(momentum)
-        if not local_ok:
-            # The verdict rides in the payload: NaN values make every replica's decoded update
-            # non-finite, so every replica skips this step with us.
-            vals = torch.full_like(vals, float("nan"))
+        # The verdict rides in the payload: NaN values make every replica's decoded update
+        # non-finite, so every replica skips this step with us.
+        vals = torch.where(local_ok, vals, torch.full_like(vals, float("nan")))
         payload = codec.pack(idx, vals)
         if replica is None:
             payloads = [payload]
@@ -146,19 +147,30 @@ class DemoRound(StepRound):
             replica.all_gather(gathered, payload)
             payloads = list(gathered.chunk(replica.world))
         update = codec.decode_mean(payloads)
-        self.skipped = not all_finite(update)  # checked before sign(): sign(NaN) hides it
-
-        if not self.skipped:
-            state.momentum = momentum.sub_(codec.dense(idx, vals))  # error feedback
-            update.sign_()
-            for seg in self.segments:
-                sl, hp = slice(seg.start, seg.end), hyper[seg.group]
-                state.master[sl].mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update[sl], alpha=-hp["lr"])
-            state.step_count += 1
+        # Checked before sign(): sign(NaN) hides it. Where it skips, δ and the master stay.
+        skip = nonfinite(update.sum(dtype=torch.float64))
+        keep = skip.logical_not().double()
+        momentum.sub_(codec.dense(idx, vals))  # error feedback
+        state.momentum = torch.where(skip, state.momentum, momentum, out=momentum)
+        update.sign_().nan_to_num_(0.0).mul_(keep)
+        for seg in self.segments:
+            sl, hp = slice(seg.start, seg.end), hyper[seg.group]
+            state.master[sl].mul_(1 - keep * (hp["lr"] * hp["weight_decay"])).add_(update[sl], alpha=-hp["lr"])
         shard.all_gather(self.target, state.master)  # converted chunk by chunk
+        self.stage(torch.cat([norm.reshape(1), skip.double().reshape(1), flags.double()]))
+
+    def apply_verdict(self, values: List[float]) -> None:
+        """The shard group's norm, the global skip, and (after a non-finite norm) the ranks whose
+        own sums were not finite; the host's step count follows."""
+        comm = self.ctx.topology.shard
+        self.grad_norm, self.skipped = values[0], bool(values[1])
+        if not math.isfinite(self.grad_norm):
+            self.nonfinite_ranks = [comm.ranks[i] for i, bad in enumerate(values[2:2 + comm.world]) if bad]
+        if not self.skipped:
+            self.shard.step_count += 1
 
     def install(self) -> None:
-        self.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
+        self.ctx.land_verdict(self)
 
 
 class Demo(Mode):
@@ -240,7 +252,7 @@ class Demo(Mode):
         # A non-finite gradient: the round will skip this step, and the model stays where it is
         # (computing at a non-finite point would spread it): the step becomes zero.
         finite = torch.isfinite(norm)
-        chunk = CHUNK_BYTES // 4  # the step chunk by chunk: no shard-sized temporary
+        chunk = step_chunk_bytes(momentum.device) // 4  # the step chunk by chunk: no shard-sized temporary
         scratch = temporary(min(chunk, momentum.numel()), torch.float32, momentum.device)
         for seg in self.segments:
             lr = hyper[seg.group]["lr"]

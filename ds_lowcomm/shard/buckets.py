@@ -31,7 +31,7 @@ from ds_lowcomm.memory import temporary
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.shard.flat import ALIGN
 from ds_lowcomm.comm.round import Round
-from ds_lowcomm.shard.step import finite_flag
+from ds_lowcomm.shard.step import nonfinite
 from ds_lowcomm.comm.worker import Ticket
 
 #: the largest bucket, in bytes of fp32 gradient (DDP's default bucket_cap_mb)
@@ -59,13 +59,10 @@ class BucketRound(Round):
     def run(self) -> None:
         """On the comm worker: the bucket's reduce-scatter (each rank sends the part of the
         range outside its own shard, in the wire dtype; over all buckets (W−1)/W · P)."""
-        sums, layout = self.ctx.grads.buffer, self.ctx.flat.layout
-        if self.buckets.own_finite is not None:
-            # Reduced in place (2-byte sums): first note whether this rank's own part of the
-            # range was finite, for the log of a skip.
-            lo, hi = max(self.start, layout.shard_start), min(self.end, layout.shard_start + layout.shard_size)
-            if lo < hi:  # a device flag, read only if the step is skipped
-                self.buckets.own_finite.logical_and_(finite_flag(sums[lo:hi]))
+        sums = self.ctx.grads.buffer
+        # First note whether this rank's own sums in the range were finite, for the log of a
+        # skip (a device flag: the step's verdict carries it; 2-byte sums are reduced in place).
+        self.buckets.own_nonfinite.logical_or_(nonfinite(sums[self.start:self.end].sum(dtype=torch.float64)))
         self.ctx.topology.shard.reduce_scatter_range(self.buckets.out, sums, self.start, self.end,
                                                      wire_dtype=self.ctx.comm_dtype)
 
@@ -84,9 +81,8 @@ class GradBuckets:
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
         self.out: Optional[torch.Tensor] = None
-        #: with 2-byte sums, reduced in place: whether this rank's own part of them was finite
-        #: before (None with fp32 sums)
-        self.own_finite: Optional[torch.Tensor] = None
+        #: whether any of this rank's own sums was NaN or inf before they were reduced (a device bool)
+        self.own_nonfinite: Optional[torch.Tensor] = None
         flat = ctx.flat
         padded = flat.layout.padded
         size = _bucket_size(padded)
@@ -114,10 +110,10 @@ class GradBuckets:
         """Before the backward pass that ends an accumulation: watch its hooks."""
         sums = self.ctx.grads.buffer
         if sums.dtype == torch.float32:
-            self.out, self.own_finite = temporary(self.ctx.flat.layout.shard_size, sums.dtype, sums.device), None
+            self.out = temporary(self.ctx.flat.layout.shard_size, sums.dtype, sums.device)
         else:
             self.out = self.ctx.flat.layout.shard(sums)
-            self.own_finite = torch.ones((), dtype=torch.bool, device=sums.device)
+        self.own_nonfinite = torch.zeros((), dtype=torch.bool, device=sums.device)
         self._pending = list(self._params_in)
         self._final = set()
         self._next = 0
@@ -136,14 +132,14 @@ class GradBuckets:
 
     def take(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """At the step: wait for every bucket (a failed one raises here), then hand over
-        :attr:`out` and :attr:`own_finite` (the step's round starts from them)."""
+        :attr:`out` and :attr:`own_nonfinite` (the step's round starts from them)."""
         if self.out is None:
             raise RuntimeError("ds_lowcomm: zero1 with overlap stepped without a boundary backward "
                                "pass (call engine.backward before engine.step)")
         for ticket in self.tickets:
             self.ctx.worker.wait(ticket)
         out, self.out = self.out, None
-        return out, self.own_finite
+        return out, self.own_nonfinite
 
     def _param_final(self, p: torch.Tensor) -> None:
         key = id(p)

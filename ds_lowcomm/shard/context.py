@@ -11,6 +11,7 @@ from ds_lowcomm.comm.collectives import Collectives, CommStats
 from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 from ds_lowcomm.shard.pace import Pacer
 from ds_lowcomm.comm.topology import Topology
+from ds_lowcomm.comm.round import StepRound
 from ds_lowcomm.comm.worker import CommWorker
 
 
@@ -23,7 +24,9 @@ class ModeContext:
     an asynchronous mode's rounds run on, the counters a synchronous round's time goes to, the
     caller's ``param_groups`` (read at pack time: a scheduler may change them),
     and the optimizer's fixed settings. Calls back into the optimizer: :meth:`step_taken` when a
-    step is taken, :meth:`record_step` with a step's verdict when its result is installed.
+    step is taken, :meth:`land_verdict` with a round whose result is installed (its verdict
+    reaches :meth:`record_step` once it is on the host), :meth:`record_step` with a verdict known
+    on the host.
     """
 
     flat: FlatParams
@@ -43,6 +46,9 @@ class ModeContext:
     step_taken: Callable[[], None]
     #: ``record_step(step, grad_norm, skipped, nonfinite_ranks)``: the verdict of step ``step``
     record_step: Callable[[int, float, bool, Sequence[int]], None]
+    #: ``land_verdict(round)``: a :class:`~ds_lowcomm.comm.round.StepRound` was installed; its
+    #: verdict is recorded once it has reached the host (never waits for the device)
+    land_verdict: Callable[[StepRound], None]
     #: the model's modules, for forward hooks (``zero1`` with overlap); empty when the optimizer
     #: was built without the model
     modules: Sequence[torch.nn.Module] = ()

@@ -160,7 +160,7 @@ class ShardMuon(ShardAdamW):
                 self._apply(m, a, b, u, param_groups)
         for batch in self.batches:
             self._step_batch(batch, grad, factor, param_groups)
-        self.step_count += 1
+        self.advance(None)
 
     def _step_batch(self, batch: Sequence[Matrix], grad: torch.Tensor, factor: float,
                     param_groups: Sequence[dict]) -> None:

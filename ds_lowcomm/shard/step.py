@@ -7,9 +7,8 @@ of W ranks, for P padded elements::
                                      weights][, paces] (only when ranks' sums can differ)
                                                                       2(W-1)/W · 8W·(1 [+2] [+paces]) bytes
     reduce_gradient  reduce-scatter  gradient sums in the wire dtype   (W-1)/W · P · wire bytes
-    judge            all-reduce      squared norm of the gradient shards       2(W-1)/W · 4 bytes
-                     (after a non-finite norm only, the round adds a W-element all-reduce
-                     naming the ranks whose own sums were not finite)
+    judge            all-reduce      squared norm of the gradient shards and each rank's
+                                     finite flag of its own sums            2(W-1)/W · 4(W+1) bytes
     update           local           AdamW on the fp32 shard (:class:`ShardAdamW`)
     gather           all-gather      the updated parameters            (W-1)/W · P · param bytes
 
@@ -26,8 +25,16 @@ gradient shard.
 The non-finite guard rides on the norm all-reduce: a NaN or inf anywhere in the reduced gradient
 makes the global norm non-finite on every rank at once, so every rank reaches the same verdict and
 skips the update, leaving master, moments and step count as they were (stock DeepSpeed's fp16
-overflow rule, applied to every dtype). Only then does one more W-element all-reduce find out
-which ranks' own sums were non-finite, for the log.
+overflow rule, applied to every dtype); the same all-reduce carries which ranks' own sums were
+non-finite, for the log.
+
+Every verdict stays on the device: the counts' scale, the clip factor, the skip (``found_inf``
+into the fused AdamW kernel). The host learns them from a copy the round stages at its end
+(:meth:`~ds_lowcomm.comm.round.StepRound.stage`) and reads once it has landed: no host read
+inside a round on the comm worker. A round on the training thread (a synchronous mode) reads its
+verdict before the update, the one host wait of its step, as DeepSpeed's own step does. On a GPU
+the phases' loops take 64 MiB chunks (:func:`~ds_lowcomm.memory.step_chunk_bytes`), eight times
+the CPU's: a handful of launches per chunk, launched from Python.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds_lowcomm.memory import CHUNK_BYTES, temporary
+from ds_lowcomm.memory import step_chunk_bytes, temporary
 from ds_lowcomm.shard.context import ModeContext
 from ds_lowcomm.comm.round import StepRound
 from ds_lowcomm.shard.adamw import ShardAdamW
@@ -46,73 +53,36 @@ from ds_lowcomm.shard.adamw import ShardAdamW
 HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
-def global_norm(comm, grad: torch.Tensor, factor: float = 1.0) -> float:
-    """The global L2 norm of ``factor`` times the gradient shards ``grad`` over ``comm`` (one
-    4-byte all-reduce); ``grad`` is left as it is."""
-    # float64 chunk by chunk: grad.double().square() held two float64 copies of the shard at once
-    # (16 bytes per shard element).
-    norm_sq = torch.zeros((), dtype=torch.float64, device=grad.device)
-    scratch = temporary(min(grad.numel(), CHUNK_BYTES // 8), torch.float64, grad.device)
-    for part in grad.split(CHUNK_BYTES // 8):
-        x = scratch[:part.numel()].copy_(part)
-        if factor != 1.0:
-            x.mul_(factor)
-        norm_sq += x.square_().sum()
-    norm_sq = norm_sq.float().reshape(1)
-    comm.all_reduce(norm_sq)
-    return math.sqrt(norm_sq.item())
+def squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of ``grad`` as a float64 device scalar, with no host read: one
+    reduction per :func:`~ds_lowcomm.memory.step_chunk_bytes` of float64 (one per 64 MiB on a GPU,
+    per 8 MiB on the CPU, where a float64 copy of a whole shard would sit in the heap)."""
+    parts = [torch.linalg.vector_norm(part, dtype=torch.float64) for part in grad.split(step_chunk_bytes(grad.device) // 8)]
+    if len(parts) == 1:
+        return parts[0].square()
+    return torch.stack(parts).square().sum()
 
 
-def clip_by_global_norm(comm, grad: torch.Tensor, clip: float) -> float:
-    """The global L2 norm of the gradient shards ``grad`` over ``comm`` (one 4-byte all-reduce),
-    clipping ``grad`` in place to ``clip`` when positive; returns the norm before clipping."""
-    norm = global_norm(comm, grad)
-    scale = clip_scale(norm, clip)
-    if scale != 1.0:
-        grad.mul_(scale)
-    return norm
-
-
-def nonfinite_ranks(comm, finite: bool, device: torch.device) -> List[int]:
-    """The global ranks of ``comm`` whose own gradient sums were not all ``finite`` (one W-element
-    all-reduce of a tensor on ``device``; collective: call it on every rank of ``comm``, e.g.
-    after a non-finite norm)."""
-    flags = torch.zeros(comm.world, dtype=torch.float32, device=device)
-    flags[comm.rank] = 0.0 if finite else 1.0
-    comm.all_reduce(flags)
-    return [comm.ranks[i] for i, bad in enumerate(flags.tolist()) if bad]
+def nonfinite(value: torch.Tensor) -> torch.Tensor:
+    """Whether the device scalar ``value`` is NaN or ±inf, as a device bool, in two kernels
+    (``value − value`` is 0 exactly when it is finite; ``isfinite`` takes four)."""
+    return (value - value).ne(0)
 
 
 def finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """Whether ``t`` holds no NaN or inf, as a device bool (read it only when it matters: a
-    read stalls the host on a GPU). Same test as :func:`all_finite`."""
-    return torch.isfinite(t.sum(dtype=torch.float64))
+    """Whether ``t`` holds no NaN or inf, as a device bool: its float64 sum is finite (a sum of
+    finite fp32/bf16/fp16 values cannot overflow float64, and a reduction allocates nothing)."""
+    return nonfinite(t.sum(dtype=torch.float64)).logical_not()
 
 
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """No NaN or inf in any of ``tensors``: their float64 sums are finite (a sum of finite
-    fp32/bf16/fp16 values cannot overflow float64, and a reduction allocates nothing)."""
-    return all(math.isfinite(float(t.sum(dtype=torch.float64))) for t in tensors if t.numel())
-
-
-def clip_scale(norm: float, clip: float) -> float:
-    """What clipping to ``clip`` (when positive) multiplies a gradient of L2 norm ``norm`` by."""
-    if clip > 0:
-        # DeepSpeed's ZeRO rule (stage_1_and_2.py unscale_and_clip_grads), so runs match stock.
-        factor = (norm + 1e-6) / clip
-        if factor > 1:
-            return 1.0 / factor
-    return 1.0
-
-
-def clip_scale_tensor(norm: torch.Tensor, clip: float) -> torch.Tensor:
-    """:func:`clip_scale` of a device scalar ``norm``, as a device scalar (no host read)."""
+def clip_scale_tensor(norm: torch.Tensor, clip: float):
+    """What clipping to ``clip`` (when positive) multiplies a gradient of L2 norm ``norm`` (a
+    device scalar) by, as a device scalar (no host read); 1.0 without clipping."""
     if clip <= 0:
-        return torch.ones_like(norm)
-    factor = (norm + 1e-6) / clip
-    return torch.where(factor > 1, 1.0 / factor, torch.ones_like(factor))
-
-
+        return 1.0
+    # DeepSpeed's ZeRO rule (stage_1_and_2.py unscale_and_clip_grads), so runs match stock:
+    # 1/factor where factor = (norm + 1e-6)/clip exceeds 1 (a NaN norm: NaN, and the step skips).
+    return ((norm + 1e-6) / clip).reciprocal().clamp(max=1.0)
 
 
 # -- the phases ----------------------------------------------------------------------------------
@@ -120,7 +90,7 @@ def clip_scale_tensor(norm: torch.Tensor, clip: float) -> torch.Tensor:
 @dataclass
 class Counts:
     """What this rank brings to :func:`share_counts` when the ranks' sums may differ (acco's
-    rounds, a paced zero1 step), and, after it, every rank's.
+    rounds, a paced zero1 step), and, once the round's verdict is read, every rank's.
 
     Args:
         local_count: micro-batches summed on this rank.
@@ -137,24 +107,42 @@ class Counts:
     weights: Optional[torch.Tensor] = None
     block: Optional[int] = None
     paces: Sequence[float] = ()
-    #: after :func:`share_counts`: every rank's count, paces (with ``paces``) and weights (with
-    #: ``weights``), in group rank order
+    #: after :func:`share_counts`: every rank's row, on the device
+    rows: Optional[torch.Tensor] = field(default=None, init=False)
+    #: after the verdict is read (:meth:`read`): every rank's count, paces (with ``paces``) and
+    #: weights (with ``weights``), in group rank order
     rank_counts: Optional[List[int]] = field(default=None, init=False)
     rank_paces: Optional[List[List[float]]] = field(default=None, init=False)
     rank_weights: Optional[List[List[float]]] = field(default=None, init=False)
 
+    @property
+    def width(self) -> int:
+        """Numbers in a rank's row: the count[, computed and offered weights], the paces."""
+        return (3 if self.weights is not None else 1) + len(self.paces)
 
-def share_counts(comm, counts: Counts, gas: int, device: torch.device) -> float:
+    def read(self, values: Sequence[float], world: int) -> None:
+        """Fill ``rank_*`` from the host copy of :attr:`rows` (``world`` rows of :attr:`width`)."""
+        width, first = self.width, (3 if self.weights is not None else 1)
+        rows = [list(values[r * width:(r + 1) * width]) for r in range(world)]
+        self.rank_counts = [int(r[0]) for r in rows]
+        if self.paces:
+            self.rank_paces = [r[first:] for r in rows]
+        if self.weights is not None:
+            self.rank_weights = [r[1:3] for r in rows]
+
+
+def share_counts(comm, counts: Counts, gas: int, device: torch.device) -> torch.Tensor:
     """Phase 1: every rank's ``counts`` in one all-reduce of a row per rank (8W bytes per
-    number: the count, the two weights, the paces), written into ``counts.rank_*``. Returns the
-    scale of the reduced sums: ``GAS / global count``, so every micro-batch weighs the same
-    whoever computed it; with weights, ``GAS · O / (block · W · C)`` over the sums C and O of the
-    computed and offered weights, exactly zero1's ``1/W`` (``block`` = GAS) or an acco estimate's
-    ``2/W`` when everything was computed."""
+    number: the count, the two weights, the paces), kept on the device in ``counts.rows`` (the
+    round's verdict carries them to the host). Returns the scale of the reduced sums as a
+    float64 device scalar, with no host read: ``GAS / global count``, so every micro-batch weighs
+    the same whoever computed it; with weights, ``GAS · O / (block · W · C)`` over the sums C and
+    O of the computed and offered weights, exactly zero1's ``1/W`` (``block`` = GAS) or an acco
+    estimate's ``2/W`` when everything was computed."""
     weighted = counts.weights is not None
     first = 3 if weighted else 1  # count[, computed, offered], paces...
     # A row per rank, not the sums: every rank learns every rank's numbers at no extra call.
-    rows = torch.zeros(comm.world, first + len(counts.paces), dtype=torch.float64, device=device)
+    rows = torch.zeros(comm.world, counts.width, dtype=torch.float64, device=device)
     mine = rows[comm.rank]
     # Host numbers by fill_ (a kernel argument): ``mine[0] = n`` or a host tensor copied in would
     # be a blocking host-to-device copy on CUDA, one more host wait per round.
@@ -164,47 +152,52 @@ def share_counts(comm, counts: Counts, gas: int, device: torch.device) -> float:
     for i, pace in enumerate(counts.paces):
         mine[first + i].fill_(pace)
     comm.all_reduce(rows)
-    values = rows.tolist()
-    counts.rank_counts = [int(r[0]) for r in values]
-    if counts.paces:
-        counts.rank_paces = [r[first:] for r in values]
+    counts.rows = rows
     if not weighted:
-        return gas / sum(counts.rank_counts)
-    counts.rank_weights = [r[1:3] for r in values]
-    computed, offered = math.fsum(r[1] for r in values), math.fsum(r[2] for r in values)
+        return gas / rows[:, 0].sum()
+    computed, offered = rows[:, 1].sum(), rows[:, 2].sum()
     # One division of exact integers: with everything computed the same value as zero1's 1/W.
-    return (gas * offered) / ((counts.block or gas) * comm.world * computed)
+    return (offered * gas) / (computed * ((counts.block or gas) * comm.world))
 
 
 def reduce_gradient(ctx: ModeContext, grads: torch.Tensor,
-                    wire_dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    wire_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: this rank's shard of the sums ``grads`` reduce-scattered over the shard group in
-    ``wire_dtype``, and, when reduced in place, whether this rank's own part of them was finite
-    before (a device bool, read only for the log of a skip). fp32 sums land in an fp32 shard;
-    2-byte sums are reduced into this rank's own part of them, as stock DeepSpeed reduces its
-    bf16/fp16 gradients (each chunk is copied out before its sum lands there): no fp32 shard
-    beside the sums (4/W bytes per parameter), the sum rounded once to 2 bytes. Sends
-    (W−1)/W · P · wire bytes per rank."""
+    ``wire_dtype``, and whether any of this rank's own sums was NaN or inf before (a device bool,
+    for the log of a skip). fp32 sums land in an fp32 shard; 2-byte sums are reduced into this
+    rank's own part of them, as stock DeepSpeed reduces its bf16/fp16 gradients (each chunk is
+    copied out before its sum lands there): no fp32 shard beside the sums (4/W bytes per
+    parameter), the sum rounded once to 2 bytes. Sends (W−1)/W · P · wire bytes per rank."""
     layout = ctx.flat.layout
+    own_nonfinite = nonfinite(grads.sum(dtype=torch.float64))
     if grads.dtype == torch.float32:
-        grad, own_finite = temporary(layout.shard_size, torch.float32, grads.device), None
+        grad = temporary(layout.shard_size, torch.float32, grads.device)
     else:
         grad = layout.shard(grads)
-        own_finite = finite_flag(grad)
     ctx.topology.shard.reduce_scatter(grad, grads, wire_dtype=wire_dtype)
-    return grad, own_finite
+    return grad, own_nonfinite
 
 
-def judge(comm, grad: torch.Tensor, factor: float, clip: float) -> Tuple[float, float]:
-    """Phase 3: the global norm of ``factor`` times the reduced gradient shards (one 4-byte
-    all-reduce), clipped to ``clip`` when positive. Returns the norm (non-finite: skip the step,
-    the same verdict on every rank) and the factor the update still applies: an fp32 ``grad`` is
-    scaled and clipped in place (1.0 left), a 2-byte one chunk by chunk as AdamW reads it."""
+def judge(comm, grad: torch.Tensor, factor, clip: float,
+          own_nonfinite: torch.Tensor) -> Tuple[torch.Tensor, object, torch.Tensor]:
+    """Phase 3, on the device: the global norm of ``factor`` times the reduced gradient shards
+    (``factor`` a positive number or device scalar) and which ranks' own sums were not finite
+    (``own_nonfinite``: this rank's), in one
+    all-reduce of W + 1 fp32 numbers (this rank's squared norm, and a 1 at its own place when its
+    sums were not finite). Returns the norm (a float64 device scalar; non-finite: skip the
+    step, the same verdict on every rank), the factor the update still applies (an fp32
+    ``grad`` is scaled and clipped to ``clip`` in place: 1.0 is left; a 2-byte one chunk by
+    chunk as AdamW reads it) and the W flags."""
+    row = torch.zeros(comm.world + 1, dtype=torch.float32, device=grad.device)
+    row[0] = squared_norm(grad)  # device copies into the row: no host read
+    row[1 + comm.rank] = own_nonfinite
+    comm.all_reduce(row)
+    norm = row[0].double().sqrt() * factor
+    factor = factor * clip_scale_tensor(norm, clip)
     if grad.dtype == torch.float32:
         grad.mul_(factor)
-        return clip_by_global_norm(comm, grad, clip), 1.0
-    norm = global_norm(comm, grad, factor)
-    return norm, factor * clip_scale(norm, clip)
+        factor = 1.0
+    return norm, factor, row[1:]
 
 
 # -- the round -----------------------------------------------------------------------------------
@@ -224,10 +217,15 @@ class ShardedStepRound(StepRound):
             computes the scale (and shares the weights and paces) first.
 
     A mode changes a phase by overriding :meth:`reduce`, :meth:`update` or :meth:`gather`. A
-    non-finite reduced gradient skips the update (``skipped``): ``target`` gets the unchanged
-    master, and :meth:`install` reports the verdict to the optimizer (loss scale, skip count).
-    After :meth:`run`, :attr:`out` is this rank's shard of the new parameters (what
-    :meth:`update` returned: acco's gathered change, where it gathers one).
+    non-finite reduced gradient skips the update: ``target`` gets the unchanged master, and the
+    verdict reaches the optimizer (loss scale, skip count) when the round is installed.
+
+    The verdict stays on the device (:attr:`found_inf` skips the fused AdamW kernel) and reaches
+    the host through :meth:`~ds_lowcomm.comm.round.StepRound.stage`: a round on the comm worker
+    never makes the host wait for the device. A round on the training thread (``host_verdict``,
+    a synchronous mode: the host decides whether to update, as DeepSpeed's own step does) reads
+    it once, before the update. After :meth:`run`, :attr:`out` is this rank's shard of the new
+    parameters (what :meth:`update` returned: acco's gathered change, where it gathers one).
     """
 
     def __init__(self, ctx: ModeContext, adamw: ShardAdamW, grads: torch.Tensor, target: torch.Tensor, *,
@@ -238,6 +236,10 @@ class ShardedStepRound(StepRound):
         self.ctx, self.adamw, self.grads, self.target = ctx, adamw, grads, target
         self.scale, self.counts = scale, counts
         self.out: Optional[torch.Tensor] = None
+        #: the host reads the verdict before the update: a round on the training thread
+        self.host_verdict = ctx.worker is None
+        self.found_inf: Optional[torch.Tensor] = None
+        self._counted_on_read = False
 
     def pack(self) -> None:
         # Hyperparameters in force now (a scheduler may change them while the round runs).
@@ -254,52 +256,69 @@ class ShardedStepRound(StepRound):
         scale = self.scale
         if self.counts is not None:
             scale = share_counts(comm, self.counts, self.ctx.gradient_accumulation_steps, self.grads.device)
-        grad, own_finite = self.reduce()
-        self.grad_norm, factor = judge(comm, grad, scale / self.loss_scale, self.ctx.gradient_clipping)
-        self.skipped = not math.isfinite(self.grad_norm)
-        if self.skipped:
-            self.nonfinite_ranks = nonfinite_ranks(comm, self._own_sums_finite(own_finite), self.grads.device)
+        grad, own_nonfinite = self.reduce()
+        factor = scale if self.loss_scale == 1.0 else scale / self.loss_scale
+        norm, factor, flags = judge(comm, grad, factor, self.ctx.gradient_clipping, own_nonfinite)
+        self.found_inf = nonfinite(norm).float()
+        parts = [norm.reshape(1), flags.double()]
+        if self.counts is not None:
+            parts.append(self.counts.rows.reshape(-1))
+        verdict = torch.cat(parts)
+        if self.host_verdict:  # the step's one host wait: the host decides whether to update
+            self.stage(verdict)
+            if self.read_verdict(wait=True):
+                self.ctx.stats.verdict_waits += 1
         self.out = self.update(grad, factor)
         self.gather(self.out)
+        if not self.host_verdict:
+            self.stage(verdict)
 
-    def reduce(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def apply_verdict(self, values: List[float]) -> None:
+        """The host copy of :meth:`run`'s verdict: the norm, the W flags, the counts' rows."""
+        comm = self.ctx.topology.shard
+        self.grad_norm = values[0]
+        self.skipped = not math.isfinite(self.grad_norm)
+        flags = values[1:1 + comm.world]
+        self.nonfinite_ranks = [comm.ranks[i] for i, bad in enumerate(flags) if bad] if self.skipped else []
+        if self.counts is not None:
+            self.counts.read(values[1 + comm.world:], comm.world)
+        if self._counted_on_read:
+            self.adamw.count_step(self.skipped)
+
+    def reduce(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Phase 2 (:func:`reduce_gradient` in ``comm_dtype``): the gradient shard, and whether
-        this rank's own sums were finite when they were reduced in place."""
+        any of this rank's own sums was NaN or inf before they were reduced."""
         return reduce_gradient(self.ctx, self.grads, self.ctx.comm_dtype)
 
-    def update(self, grad: torch.Tensor, factor: float) -> torch.Tensor:
-        """Phase 4: AdamW on the shard from ``factor · grad``, unless skipped. Returns this rank's
-        shard of the new parameters: the master itself (the all-gather converts it chunk by
-        chunk: no shard-sized copy in the model's dtype)."""
-        if not self.skipped:
-            self.adamw.step(grad, self.hyper, factor)
+    def update(self, grad: torch.Tensor, factor) -> torch.Tensor:
+        """Phase 4: AdamW on the shard from ``factor · grad``, unless skipped (on the host's
+        verdict, or on the device's, :attr:`found_inf`). Returns this rank's shard of the new
+        parameters: the master itself (the all-gather converts it chunk by chunk: no
+        shard-sized copy in the model's dtype)."""
+        if self.host_verdict:
+            if not self.skipped:
+                self.adamw.step(grad, self.hyper, factor)
+        else:
+            self.adamw.step(grad, self.hyper, factor, found_inf=self.found_inf)
+            self._counted_on_read = True
         return self.adamw.master
 
     def gather(self, out: torch.Tensor) -> None:
         """Phase 5: all-gather every rank's ``out`` into ``target``."""
         self.ctx.topology.shard.all_gather(self.target, out)
 
-    def _own_sums_finite(self, own_finite: Optional[torch.Tensor]) -> bool:
-        """After a skip: whether this rank's own gradient sums were finite."""
-        if own_finite is None:
-            return all_finite(self.grads)
-        # This rank's own part now holds the reduced sums: the rest, and what it held.
-        layout = self.ctx.flat.layout
-        lo, hi = layout.shard_start, layout.shard_start + layout.shard_size
-        return bool(own_finite) and all_finite(self.grads[:lo], self.grads[hi:])
-
     def install(self) -> None:
-        self.ctx.record_step(self.step_number, self.grad_norm, self.skipped, self.nonfinite_ranks)
+        self.ctx.land_verdict(self)
 
 
 def step_now(ctx: ModeContext, rnd: StepRound,
              after_install: Optional[Callable[[StepRound], None]] = None) -> None:
     """An optimizer step taken with its round at the boundary: pack it, run it (on the training
     thread, all of its time exposed: counted as waited for; or, where the mode has a comm worker,
-    zero1 with overlap, on its thread, after the buckets queued before it: no host read of the
-    device on the training thread, though waiting for the round waits until the GPU has reached
-    the round's norm verdict), install it, clear the gradient sums,
-    ``after_install(rnd)`` if given, and count the step. Communication: the round's own."""
+    zero1 with overlap, on its thread, after the buckets queued before it: waiting for it waits
+    only until it is queued on the device, its verdict reaching the host later), install it,
+    clear the gradient sums, ``after_install(rnd)`` if given, and count the step.
+    Communication: the round's own."""
     rnd.pack()
     if ctx.worker is not None:
         ctx.worker.wait(ctx.worker.submit(rnd))
