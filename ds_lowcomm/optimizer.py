@@ -515,8 +515,9 @@ class LowCommOptimizer(torch.optim.Optimizer):
         counted in ``verdict_waits``). No communication."""
         while self._unread and (wait or self._unread[0].verdict_ready()):
             rnd = self._unread.popleft()
-            if rnd.read_verdict(wait=not rnd.verdict_ready()):
-                self.stats.verdict_waits += 1
+            waits = not rnd.verdict_ready()
+            rnd.read_verdict(wait=waits)
+            self.stats.verdict_waits += waits
             if rnd.records_step:
                 self.record_step(rnd.step_number, rnd.grad_norm, rnd.skipped, rnd.nonfinite_ranks)
             if rnd.on_verdict is not None:

@@ -26,7 +26,7 @@ MODES = workers.STEP_MODES
 #: shard in the model's dtype (p/W); DeMo's round builds the new δ beside the old one (4/S) and
 #: its codec holds the tiled shard, the decoded sums and their counts, the dense decode (fp32)
 STEP_BUFFERS = {
-    "acco": {("modes/acco.py:update", "aten._to_copy.default", "torch.bfloat16")},
+    "acco": {("modes/acco.py:update", "aten.empty_like.default", "torch.bfloat16")},
     "demo-overlap": {("modes/demo.py:run", "aten.mul.Tensor", "torch.float32"),
                      ("modes/dct.py:to_tiles", "aten.cat.default", "torch.float32"),
                      ("modes/dct.py:from_tiles", "aten.new_empty.default", "torch.float32"),

@@ -202,37 +202,13 @@ class _Work:
 def _run_mode(rank, case):
     """``STEPS`` steps of the case's mode in a DeepSpeed-style loop (no boundaries marked, a step
     after each GAS micro-batches), then a flush, on a topology of its own."""
-    from ds_lowcomm.comm.collectives import CommStats
-    from ds_lowcomm.comm.topology import Topology
-    from ds_lowcomm.comm.worker import CommWorker
-    from ds_lowcomm.config import parse
+    import workers
     from ds_lowcomm.modes import MODES
-    from ds_lowcomm.shard.context import ModeContext
-    from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
-    from ds_lowcomm.shard.pace import Pacer
 
     lowcomm, slow, keep = CASES[case]
-    cfg = parse({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS,
-                 "zero_optimization": {"stage": 1}, "lowcomm": lowcomm}, MODES)
     model = _model()
-    groups = [dict(params=list(model.parameters()), **HP)]
-    stats = CommStats()
-    topo = Topology.build(cfg.shard_group_size, 60.0, stats)
-    flat = FlatParams(groups, topo.shard.world, topo.shard.rank)
-    grads = GradAccumulator(flat)
-    mode_cls = MODES[cfg.mode]
-    worker = CommWorker(stats, flat.device) if mode_cls.is_asynchronous(cfg.mode_options) else None
-    pacer = None
-    if keep is not None:
-        pacer = Pacer(mode_cls.pace_block(cfg.mode_options, GAS), topo.shard.rank, device=flat.device,
-                      host_wait_seconds=lambda: stats.host_wait_seconds)
-    steps = [0]
-    ctx = ModeContext(flat=flat, grads=grads, topology=topo, worker=worker, stats=stats, param_groups=groups,
-                      comm_dtype=torch.float32, gradient_clipping=1.0, gradient_accumulation_steps=GAS,
-                      checkpoint_comm=topo.shard.counted_in(CommStats()), _loss_scale=lambda: 1.0,
-                      _steps=lambda: steps[0], step_taken=lambda: steps.__setitem__(0, steps[0] + 1),
-                      record_step=lambda *verdict: None, modules=list(model.modules()), pacer=pacer,
-                      **_land_verdict(ModeContext))
+    cfg, ctx, steps = workers.mode_context(lowcomm, model, GAS, HP, paced=keep is not None)
+    grads, pacer, mode_cls = ctx.grads, ctx.pacer, MODES[cfg.mode]
     mode = mode_cls(ctx, cfg.mode_options)
     mode.bind_loop(False)
     if pacer is not None:
@@ -260,20 +236,10 @@ def _run_mode(rank, case):
             mode.on_micro_batch_end(boundary)
         mode.step()  # (acco and DPU: steps driven from the micro-batches; nothing here)
     mode.flush()
-    if worker is not None:
-        worker.close()
-    topo.close(control=True)
+    if ctx.worker is not None:
+        ctx.worker.close()
+    ctx.topology.close(control=True)
     return steps[0]
-
-
-def _land_verdict(context_cls):
-    """The ``land_verdict`` callback test_modes.py hands a ModeContext (read the verdict at once),
-    where the context has one."""
-    import dataclasses
-
-    if "land_verdict" not in {f.name for f in dataclasses.fields(context_cls)}:
-        return {}
-    return {"land_verdict": lambda rnd: rnd.read_verdict(wait=True)}
 
 
 def _record_modes(rank, world, cases):

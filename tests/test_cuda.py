@@ -1,6 +1,6 @@
 """The CUDA tier: every mode on a GPU with NCCL, against stock DeepSpeed on the same GPU.
 
-Skipped without a CUDA device (the CPU suite runs everything else); ``tools/gpu_check.py call1``
+Skipped without a CUDA device (the CPU suite runs everything else); ``tools/gpu_check.py call2``
 runs it on a GPU machine. One rank: what one GPU can check (the side stream, events, the fused
 AdamW kernel, bf16 and fp16 on the device, host-asynchronous waits); NCCL between GPUs needs more.
 """
@@ -65,3 +65,18 @@ def test_every_mode_trains_on_the_gpu(mode, dtype):
     assert res["finite"], res
     assert all(math.isfinite(x) for x in res["losses"]), res["losses"]
     assert sum(res["losses"][-3:]) < sum(res["losses"][:3]), res["losses"]
+
+
+def test_acco_saved_at_two_ranks_resumes_at_one_on_the_gpu(tmp_path):
+    """acco's mid-step gradient sums saved by 2 CPU ranks load into the one GPU rank's
+    accumulator with their count and weights (added on the device: a CPU tensor of weights was
+    added into the CUDA one before), equal to the saved files' sums."""
+    from test_checkpoint import _load_per_rank, _save_per_rank
+
+    numel = run_ranks(_save_per_rank, 2, str(tmp_path), "acco")[0]
+    tag = next(p for p in tmp_path.iterdir() if p.name.startswith("global_step"))
+    saved = [torch.load(tag / f"lowcomm_rank{r:05d}.pt", weights_only=True) for r in range(2)]
+    got = run_ranks(_load_per_rank, 1, str(tmp_path), "acco", env=CUDA)[0]
+    assert torch.equal(got["accumulator"].cpu(), sum(s["mode"]["accumulator"][:numel] for s in saved))
+    assert got["micro_batches"] == sum(s["mode"]["micro_batches"] for s in saved) > 0
+    assert all(math.isfinite(x) for x in got["losses"])

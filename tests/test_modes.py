@@ -48,32 +48,16 @@ def _train(rank, world, lowcomm, clip=0.0, record="params", hold_worker_until=No
     replica collective of the training thread and one of the worker are issued in opposite orders
     on ranks 0 and 1 if both are allowed to run at once (each waits up to 3 s for the other)."""
     import threading
-    from ds_lowcomm.comm.collectives import CommStats
-    from ds_lowcomm.comm.topology import Topology
-    from ds_lowcomm.comm.worker import CommWorker
-    from ds_lowcomm.config import parse
+
+    import workers
     from ds_lowcomm.modes import MODES
     from ds_lowcomm.modes.desloc import Desloc
-    from ds_lowcomm.shard.context import ModeContext
-    from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 
-    cfg = parse({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS,
-                 "zero_optimization": {"stage": 1}, "lowcomm": lowcomm}, MODES)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     model = _model()
-    groups = [dict(params=list(model.parameters()), **HP)]
-    stats = CommStats()
-    topo = Topology.build(cfg.shard_group_size, 60.0, stats)
-    flat = FlatParams(groups, topo.shard.world, topo.shard.rank)
-    grads = GradAccumulator(flat)
+    cfg, ctx, steps = workers.mode_context(lowcomm, model, GAS, HP, clip=clip)
+    flat, grads, topo, worker, stats = ctx.flat, ctx.grads, ctx.topology, ctx.worker, ctx.stats
     mode_cls = MODES[cfg.mode]
-    worker = CommWorker(stats, flat.device) if mode_cls.is_asynchronous(cfg.mode_options) else None
-    steps = [0]
-    ctx = ModeContext(flat=flat, grads=grads, topology=topo, worker=worker, stats=stats, param_groups=groups,
-                      comm_dtype=torch.float32, gradient_clipping=clip, gradient_accumulation_steps=GAS,
-                      checkpoint_comm=topo.shard.counted_in(CommStats()), _loss_scale=lambda: 1.0,
-                      _steps=lambda: steps[0], step_taken=lambda: steps.__setitem__(0, steps[0] + 1),
-                      record_step=lambda *verdict: None, land_verdict=lambda rnd: rnd.read_verdict(wait=True))
     released, held_too_long = threading.Event(), []
     step_now_index = [0]
     if cross_at is not None:

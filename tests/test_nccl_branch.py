@@ -34,36 +34,41 @@ def _inputs(rank: int) -> torch.Tensor:
     return torch.randn(WORLD * SHARD, generator=torch.Generator().manual_seed(1000 + rank))
 
 
-def _exercise(c, rank: int) -> dict:
-    """Every public method of ``c`` on this rank's inputs; the results by name."""
+def _exercise(c, x: torch.Tensor, cuts) -> dict:
+    """Every public method of ``c`` on this rank's inputs ``x`` (the whole buffer, c.world
+    shards), its ranges ``cuts``; the results by name."""
     out = {}
-    x = _inputs(rank)
+    shard, rank, full = x.numel() // c.world, c.rank, x.numel()
+
+    def nan(n, dtype=torch.float32):
+        return torch.full((n,), float("nan"), dtype=dtype, device=x.device)
+
     for inp_dtype, wire, out_dtype in RS_CASES:
-        got = torch.full((SHARD,), float("nan"), dtype=out_dtype)
+        got = nan(shard, out_dtype)
         c.reduce_scatter(got, x.to(inp_dtype), wire_dtype=wire)
         out[("rs", inp_dtype, wire)] = got
     sums = x.bfloat16()
-    own = sums[rank * SHARD:(rank + 1) * SHARD]
+    own = sums[rank * shard:(rank + 1) * shard]
     c.reduce_scatter(own, sums)  # in place, 2 bytes (NCCL: recv == send + rank·count)
     out[("rs_in_place",)] = own.clone()
     for wire in (torch.float32, torch.bfloat16):
-        got = torch.full((SHARD,), float("nan"))
-        for start, end in reversed(list(zip(CUTS, CUTS[1:]))):  # backward order, as buckets go
+        got = nan(shard)
+        for start, end in reversed(list(zip(cuts, cuts[1:]))):  # backward order, as buckets go
             c.reduce_scatter_range(got, x, start, end, wire_dtype=wire)
         out[("rs_range", wire)] = got
     sums = x.bfloat16()
-    own = sums[rank * SHARD:(rank + 1) * SHARD]
-    for start, end in reversed(list(zip(CUTS, CUTS[1:]))):
+    own = sums[rank * shard:(rank + 1) * shard]
+    for start, end in reversed(list(zip(cuts, cuts[1:]))):
         c.reduce_scatter_range(own, sums, start, end)  # in place, range by range
     out[("rs_range_in_place",)] = own.clone()
-    shard = x[rank * SHARD:(rank + 1) * SHARD]
+    mine = x[rank * shard:(rank + 1) * shard]
     for dtype in (torch.float32, torch.bfloat16):  # fp32 shard; into bf16: converted
-        got = torch.full((WORLD * SHARD,), float("nan"), dtype=dtype)
-        c.all_gather(got, shard)
+        got = nan(full, dtype)
+        c.all_gather(got, mine)
         out[("ag", dtype)] = got
-        got = torch.full((WORLD * SHARD,), float("nan"), dtype=dtype)
-        for start, end in zip(CUTS, CUTS[1:]):
-            c.all_gather_range(got, shard, start, end)
+        got = nan(full, dtype)
+        for start, end in zip(cuts, cuts[1:]):
+            c.all_gather_range(got, mine, start, end)
         out[("ag_range", dtype)] = got
     for dtype in (torch.float64, torch.float32):
         t = x.to(dtype)
@@ -99,7 +104,7 @@ def _ranks(rank, world):
         stats = comm.CommStats()
         c = comm.Collectives(dist.group.WORLD, stats, 30.0, "shard")
         assert not c.native  # gloo: the chunked all-to-all branch
-        res["results"]["gloo"] = _exercise(c, rank)
+        res["results"]["gloo"] = _exercise(c, _inputs(rank), CUTS)
         res["counters"]["gloo"] = {k: (v.calls, v.bytes_sent, v.bytes_received) for k, v in stats.ops.items()}
         for name, chunk in (("small", SMALL_CHUNK), ("shipped", comm.NATIVE_CHUNK_BYTES)):
             saved, comm.NATIVE_CHUNK_BYTES = comm.NATIVE_CHUNK_BYTES, chunk
@@ -108,7 +113,7 @@ def _ranks(rank, world):
             c.native = True  # the branch NCCL takes
             try:
                 with Recorder() as recorder:
-                    res["results"][name] = _exercise(c, rank)
+                    res["results"][name] = _exercise(c, _inputs(rank), CUTS)
             finally:
                 comm.NATIVE_CHUNK_BYTES = saved
             res["ops"][name] = recorder.ops
@@ -202,33 +207,10 @@ def _one_gpu(rank, world):
     try:
         c = comm.Collectives(dist.group.WORLD, comm.CommStats(), 60.0, "shard")
         assert c.native
-        x = _inputs(0)[:SHARD].cuda()
-        out, side = {}, torch.cuda.Stream()
+        x, side = _inputs(0)[:SHARD].cuda(), torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for inp_dtype, wire, out_dtype in RS_CASES:
-                got = torch.full((SHARD,), float("nan"), dtype=out_dtype, device="cuda")
-                c.reduce_scatter(got, x.to(inp_dtype), wire_dtype=wire)
-                out[("rs", inp_dtype, wire)] = got
-                got = torch.full((SHARD,), float("nan"), dtype=out_dtype, device="cuda")
-                for start, end in ((10, SHARD), (0, 10)):
-                    c.reduce_scatter_range(got, x.to(inp_dtype), start, end, wire_dtype=wire)
-                out[("rs_range", inp_dtype, wire)] = got
-            sums = x.bfloat16()
-            c.reduce_scatter(sums, sums)  # in place
-            out[("rs_in_place",)] = sums
-            for dtype in (torch.float32, torch.bfloat16):
-                got = torch.full((SHARD,), float("nan"), dtype=dtype, device="cuda")
-                c.all_gather(got, x)
-                out[("ag", dtype)] = got
-                got = torch.full((SHARD,), float("nan"), dtype=dtype, device="cuda")
-                for start, end in ((0, 10), (10, SHARD)):
-                    c.all_gather_range(got, x, start, end)
-                out[("ag_range", dtype)] = got
-            for dtype in (torch.float64, torch.float32):
-                t = x.to(dtype)
-                c.all_reduce(t)
-                out[("ar", dtype)] = t
+            out = _exercise(c, x, (0, 10, SHARD))
         side.synchronize()
         return {k: v.cpu() for k, v in out.items()}
     finally:
@@ -241,10 +223,10 @@ def test_the_native_branch_on_one_gpus_nccl():
     res, = run_ranks(_one_gpu, 1, env={})
     x = _inputs(0)[:SHARD]
     for inp_dtype, wire, out_dtype in RS_CASES:
-        want = x.to(inp_dtype).to(wire).to(out_dtype)
-        assert torch.equal(res[("rs", inp_dtype, wire)], want), (inp_dtype, wire)
-        assert torch.equal(res[("rs_range", inp_dtype, wire)], want), (inp_dtype, wire)
-    assert torch.equal(res[("rs_in_place",)], x.bfloat16())
+        assert torch.equal(res[("rs", inp_dtype, wire)], x.to(inp_dtype).to(wire).to(out_dtype)), (inp_dtype, wire)
+    for wire in (torch.float32, torch.bfloat16):
+        assert torch.equal(res[("rs_range", wire)], x.to(wire).float()), wire
+    assert torch.equal(res[("rs_in_place",)], x.bfloat16()) and torch.equal(res[("rs_range_in_place",)], x.bfloat16())
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(res[("ag", dtype)], x.to(dtype)) and torch.equal(res[("ag_range", dtype)], x.to(dtype))
     for dtype in (torch.float64, torch.float32):

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from ds_lowcomm.comm.topology import NCCL_PROTOCOL_BUFFER_BYTES, nccl_ring_buffer_bytes, warn_one_hardware_queue
+from ds_lowcomm.comm.topology import warn_one_hardware_queue
 from ds_lowcomm.config import LowCommConfigError, parse
 from ds_lowcomm.modes import MODES
 from workers import config
@@ -50,14 +50,3 @@ def test_initialize_warns_before_building_anything(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="ds_lowcomm"), pytest.raises(LowCommConfigError, match="model"):
         init.initialize(model=None, config=config("zero1", zero1={"overlap": True}))
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in caplog.text and "Unset CUDA_DEVICE_MAX_CONNECTIONS" in caplog.text
-
-
-def test_an_nccl_rings_buffers_follow_nccls_defaults_and_environment():
-    """Per channel one connection's buffers, one per protocol, at NCCL's defaults: LL 8 lines per
-    thread × 512 threads × 8 steps × 16 bytes, LL128 120 × 640 × 8 × 8 bytes, Simple 4 MiB; the
-    NCCL_*BUFFSIZE variables replace them."""
-    assert NCCL_PROTOCOL_BUFFER_BYTES == {"NCCL_LL_BUFFSIZE": 512 << 10, "NCCL_LL128_BUFFSIZE": 4_915_200,
-                                          "NCCL_BUFFSIZE": 4 << 20}
-    assert nccl_ring_buffer_bytes(16, {}) == 16 * ((512 << 10) + 4_915_200 + (4 << 20))  # ~147 MiB
-    assert nccl_ring_buffer_bytes(16, {"NCCL_BUFFSIZE": str(1 << 20)}) == 16 * ((512 << 10) + 4_915_200 + (1 << 20))
-    assert nccl_ring_buffer_bytes(0, {}) == 0

@@ -40,7 +40,9 @@ def _stalled_peer(rank, world):
              "reduce_scatter_range": lambda: c.reduce_scatter_range(torch.empty(8), x, 3, 12),
              "all_gather": lambda: c.all_gather(torch.empty(16, dtype=torch.bfloat16), x[:8]),
              "all_gather_range": lambda: c.all_gather_range(torch.empty(16), x[:8], 3, 12),
-             "all_reduce": lambda: c.all_reduce(x)}
+             "all_reduce": lambda: c.all_reduce(x),
+             # issued without waiting (desloc's streamed sync): the failure comes at the wait
+             "asynchronous all_reduce": lambda: _issued_then_waited(c, x)}
     for name, call in calls.items():
         t0 = time.monotonic()
         try:
@@ -53,6 +55,12 @@ def _stalled_peer(rank, world):
     return out
 
 
+def _issued_then_waited(c, x):
+    pending = c.asynchronous()
+    pending.all_reduce(x)
+    pending.wait()
+
+
 def test_a_stalled_peer_fails_the_wait_with_a_collective_error():
     """The native branch issues each collective asynchronously and waits inside its error
     handling: a failure the backend reports at the wait (gloo's timeout here; NCCL's with
@@ -63,7 +71,7 @@ def test_a_stalled_peer_fails_the_wait_with_a_collective_error():
         assert error is not None, f"{name}: returned with its peer stalled"
         kind, message, elapsed, _ = error
         assert kind == "CollectiveError", (name, error)
-        assert f"{name.split('_range')[0]} of " in message and "replica group failed on global rank 0" in message
+        assert f"{name.split('_range')[0].split(' ')[-1]} of " in message and "replica group failed on global rank 0" in message
         assert f"collective_timeout_s={TIMEOUT_S:g}" in message and "Another rank probably died" in message
     kind, message, elapsed, at_wait = res["reduce_scatter"]
     assert at_wait, "the first failure did not come from the work's wait"

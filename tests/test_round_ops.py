@@ -17,6 +17,7 @@ from dist import run_ranks
 pytestmark = pytest.mark.ranks
 
 GAS, STEPS = 4, 4
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 #: the most kernel-launching aten ops a round may issue (a step's, for a synchronous mode)
 MAX_OPS = 40
 #: (DeMo's round, about 105-115 ops with its codec, and desloc's replica syncs still grow with
@@ -33,13 +34,9 @@ def _ops_per_round(rank, world, width):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import ds_lowcomm.comm.worker as worker_mod
+    import workers
     from ds_lowcomm import memory
-    from ds_lowcomm.comm.collectives import CommStats
-    from ds_lowcomm.comm.topology import Topology
-    from ds_lowcomm.config import parse
     from ds_lowcomm.modes import MODES as REGISTRY
-    from ds_lowcomm.shard.context import ModeContext
-    from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
 
     aten = torch.ops.aten
     NO_KERNEL = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
@@ -71,28 +68,11 @@ def _ops_per_round(rank, world, width):
     out = {}
     try:
         for name, lowcomm in MODES.items():
-            cfg = parse({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS,
-                         "zero_optimization": {"stage": 1}, "lowcomm": lowcomm}, REGISTRY)
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
-            groups = [dict(params=list(model.parameters()), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                           weight_decay=0.1)]
-            stats = CommStats()
-            topo = Topology.build(cfg.shard_group_size, 60.0, stats)
-            flat = FlatParams(groups, topo.shard.world, topo.shard.rank)
-            grads = GradAccumulator(flat)
-            mode_cls = REGISTRY[cfg.mode]
-            asynchronous = mode_cls.is_asynchronous(cfg.mode_options)
-            worker = worker_mod.CommWorker(stats, flat.device) if asynchronous else None
-            steps = [0]
-            ctx = ModeContext(flat=flat, grads=grads, topology=topo, worker=worker, stats=stats,
-                              param_groups=groups, comm_dtype=torch.float32, gradient_clipping=1.0,
-                              gradient_accumulation_steps=GAS, checkpoint_comm=topo.shard.counted_in(CommStats()),
-                              _loss_scale=lambda: 1.0, _steps=lambda: steps[0],
-                              step_taken=lambda: steps.__setitem__(0, steps[0] + 1),
-                              record_step=lambda *verdict: None,
-                              land_verdict=lambda rnd: rnd.read_verdict(wait=True),
-                              modules=list(model.modules()))
+            cfg, ctx, _ = workers.mode_context(lowcomm, model, GAS, HP)
+            grads, topo, worker, mode_cls = ctx.grads, ctx.topology, ctx.worker, REGISTRY[cfg.mode]
+            asynchronous = worker is not None
             mode = mode_cls(ctx, cfg.mode_options)
             mode.bind_loop(False)
             g = torch.Generator().manual_seed(rank)

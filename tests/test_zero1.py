@@ -132,6 +132,25 @@ def test_zero1_overlap_is_zero1_bit_for_bit(bf16, accum, tmp_path):
     assert all(torch.equal(saved[False][k], saved[True][k]) for k in saved[False])
 
 
+def _one_rank(rank, world):
+    out = {}
+    for overlap in (False, True):
+        engine = workers.build_engine(workers.config("zero1", zero1={"overlap": overlap}))
+        losses = workers.train(engine, 3, rank=rank)
+        out[overlap] = dict(losses=losses, rounds=engine.comm_stats()["rounds"], digest=workers.params_digest(engine))
+        engine.destroy()
+    return out
+
+
+def test_zero1_overlap_is_synchronous_in_a_shard_group_of_one():
+    """One rank: nothing to hide (its reduce-scatter aliases the sums, its all-gather is a copy),
+    so overlap runs the step's one round at the step, as without it: one round per step, not a
+    round per bucket on a comm thread, and the same training bit for bit."""
+    r = run_ranks(_one_rank, 1)[0]
+    assert r[True]["rounds"] == r[False]["rounds"] == 3
+    assert r[True]["losses"] == r[False]["losses"] and r[True]["digest"] == r[False]["digest"]
+
+
 def test_zero1_overlap_refuses_a_gradient_delivered_twice():
     """Reentrant checkpointing delivers a shared weight's gradient once per segment; its bucket
     could leave with part of the sum. Refused, on every rank, naming the way out; no hang."""

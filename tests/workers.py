@@ -22,6 +22,44 @@ BASE_CONFIG = {
 }
 
 
+def mode_context(lowcomm: dict, model: torch.nn.Module, gas: int, hp: dict, clip: float = 1.0,
+                 paced: bool = False):
+    """A mode's :class:`~ds_lowcomm.shard.context.ModeContext` around ``model`` on the process
+    group already initialised, built as ``LowCommOptimizer`` builds it, without DeepSpeed: the
+    ``"lowcomm"`` section ``lowcomm`` parsed, one param group of ``hp``, a comm worker where the
+    mode is asynchronous, a pacer with ``paced``. A verdict is read as its round lands; steps
+    are counted in the returned list. Returns ``(cfg, ctx, steps)``; the mode is
+    ``MODES[cfg.mode](ctx, cfg.mode_options)``."""
+    from ds_lowcomm.comm.collectives import CommStats
+    from ds_lowcomm.comm.topology import Topology
+    from ds_lowcomm.comm.worker import CommWorker
+    from ds_lowcomm.config import parse
+    from ds_lowcomm.modes import MODES
+    from ds_lowcomm.shard.context import ModeContext
+    from ds_lowcomm.shard.flat import FlatParams, GradAccumulator
+    from ds_lowcomm.shard.pace import Pacer
+
+    cfg = parse({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
+                 "zero_optimization": {"stage": 1}, "lowcomm": lowcomm}, MODES)
+    groups = [dict(params=list(model.parameters()), **hp)]
+    stats = CommStats()
+    topo = Topology.build(cfg.shard_group_size, 60.0, stats)
+    flat = FlatParams(groups, topo.shard.world, topo.shard.rank)
+    mode_cls = MODES[cfg.mode]
+    worker = CommWorker(stats, flat.device) if mode_cls.is_asynchronous(cfg.mode_options) else None
+    pacer = (Pacer(mode_cls.pace_block(cfg.mode_options, gas), topo.shard.rank, device=flat.device,
+                   host_wait_seconds=lambda: stats.host_wait_seconds) if paced else None)
+    steps = [0]
+    ctx = ModeContext(flat=flat, grads=GradAccumulator(flat), topology=topo, worker=worker, stats=stats,
+                      param_groups=groups, comm_dtype=torch.float32, gradient_clipping=clip,
+                      gradient_accumulation_steps=gas, checkpoint_comm=topo.shard.counted_in(CommStats()),
+                      _loss_scale=lambda: 1.0, _steps=lambda: steps[0],
+                      step_taken=lambda: steps.__setitem__(0, steps[0] + 1), record_step=lambda *verdict: None,
+                      land_verdict=lambda rnd: rnd.read_verdict(wait=True), modules=list(model.modules()),
+                      pacer=pacer)
+    return cfg, ctx, steps
+
+
 #: every mode's step, deterministic and syncing every step, as the step audits take it:
 #: ``config(name.split("-")[0], **STEP_MODES[name])``
 STEP_MODES = {

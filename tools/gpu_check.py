@@ -1,12 +1,12 @@
 """The GPU check: two device calls of at most 4 minutes each, each writing JSON under ``$OUT``.
 
-A session lent a GPU gets 15 minutes of device time in all, start-up included, and keeps 5 of them
-for one rerun. From the repository root, with the wheels in ``.whl/`` (``tools/gpu_check.sh``'s
-header; ``tools/gpu_check.sh prepare`` makes them where there is a network), the device tool's two
-calls are::
+Two commands of at most 4 minutes each, start-up included (a GPU machine held for a quarter of
+an hour answers both and can run one again). From the repository root, with the wheels in
+``.whl/`` and ``.gpu/site`` copied along (``tools/gpu_check.sh prepare`` makes them where there is
+a network)::
 
-    run(command="tools/gpu_check.sh call1", carry=[".whl", ".gpu"], timeout_s=250)
-    run(command="tools/gpu_check.sh call2", carry=[".whl", ".gpu"], timeout_s=250)
+    tools/gpu_check.sh call1
+    tools/gpu_check.sh call2
 
 and each has a dry run on the CPU, the same code with a tiny model, the CPU accelerator and the
 host's clock (``tests/test_gpu_check.py`` runs both)::
@@ -143,7 +143,7 @@ CALL2_STEPS = {"replicas": 24, "slow": 16, "warm": 2, "window": 4, "windows": 3,
 CALL2_DRY = {"replicas": 4, "slow": 6, "warm": 1, "window": 1, "windows": 3, "resume": 2}
 #: wall-clock limits (s): call 1's process, and call 2's subprocesses
 #: (each call within 4 minutes with the wheels' install and the imports: the tier's collection
-#: has 40 s of the tier's 200; the device tool's timeout_s=250 only backs them up)
+#: has 40 s of the tier's 200; a 250 s limit around the whole call only backs them up)
 CALL1_LIMIT, TIER_LIMIT, SANITIZER_LIMIT, GROUP_LIMIT = 215, 160, 150, 200
 #: call 2's group starts its timing by then (s from its start) if the other jobs still run
 QUIET_WAIT = 140
@@ -926,8 +926,8 @@ def group(work: Path, dry: bool, cpu: bool, parts: str, modes) -> dict:
 
 
 def call2(args) -> int:
-    """See the module's doc: everything at once, then the checks. ``$OUT`` gets three files (the
-    device tool brings back eight at most): ``call2.json``, ``call2.log`` and every job's log and
+    """See the module's doc: everything at once, then the checks. ``$OUT`` gets three files (few
+    files copy back fastest): ``call2.json``, ``call2.log`` and every job's log and
     result in ``call2_logs.tar.gz``; they are written in a work directory under /tmp."""
     dry, out = args.dry_run, Path(args.out)
     work = Path(f"/tmp/gpu_check_work.{os.getpid()}")

@@ -5,7 +5,7 @@
 #   tools/gpu_check.sh call2 [--dry-run] [--modes ...]   # correctness: CUDA tier, sanitizer, two ranks
 #   tools/gpu_check.sh prepare                           # (needs the network) the wheels below
 #
-# Results under $OUT (the device tool sets it; default ./gpu_check_out), the log in $OUT/callN.log.
+# Results under $OUT (default ./gpu_check_out), the log in $OUT/callN.log.
 # A GPU machine may have its own torch and Python 3.12 but no DeepSpeed and no network: bring the
 # wheels in .whl/ (`prepare` runs these; never `make` there: it installs the CPU torch and forces the
 # CPU accelerator):
@@ -31,7 +31,7 @@ if [ "$call" = prepare ]; then
   rm -rf "$here/.gpu/site"
   "${pip[@]}" install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --target "$here/.gpu/site" "$here"/.whl/*.whl
-  echo "gpu_check: wheels in .whl/, unpacked for Python 3.12 in .gpu/site (carry both: [\".whl\", \".gpu\"])"
+  echo "gpu_check: wheels in .whl/, unpacked for Python 3.12 in .gpu/site (copy both to the GPU machine with the checkout)"
   exit 0
 fi
 out=${OUT:-$here/gpu_check_out}

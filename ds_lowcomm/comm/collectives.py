@@ -33,6 +33,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 #: small chunks would cost kernel launches
 NATIVE_CHUNK_BYTES = 64 << 20
 
+
 def wire_bytes(op: str, nbytes: int, world: int) -> Tuple[float, float]:
     """(sent, received) bytes per rank for collective ``op`` over ``nbytes`` on ``world`` ranks.
 
@@ -363,12 +364,63 @@ class Collectives:
         """Sum ``t`` in place over the group. Cost: 2(W-1)/W · t bytes."""
         self._run("all_reduce", t.numel() * t.element_size(), self._call, dist.all_reduce, t)
 
+    def asynchronous(self) -> "AsyncCollectives":
+        """This group's all-reduce and all-gather issued without waiting, on the calling thread
+        (Megatron's ``start_*``), waited for at once later (``finish_*``): :class:`AsyncCollectives`."""
+        return AsyncCollectives(self)
+
     def counted_in(self, stats: CommStats) -> "Collectives":
         """The same group, counting into ``stats`` (e.g. checkpoint traffic kept out of training)."""
         other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__, stats=stats)
         return other
 
+
+class AsyncCollectives:
+    """Collectives on a :class:`Collectives`' group issued with ``async_op`` from the calling
+    thread, so that one thread can keep two groups' work in flight in an order it fixes (desloc's
+    streamed sync beside its shard group's step): :meth:`all_reduce` and :meth:`all_gather`
+    return at once, counted in the group's stats as :class:`Collectives` counts them (the same
+    bytes); :meth:`wait` waits for all of them, the time the host blocks there (gloo; on CUDA the
+    current stream waits instead, the host does not) counted as waited for. A failure, at the
+    issue or the wait, is raised as :class:`CollectiveError`. Whole tensors, no chunking: for the
+    small and replica-sized buffers a sync sends."""
+
+    def __init__(self, comm: Collectives) -> None:
+        if comm.group is None:
+            raise ValueError("a group of one rank has no collectives to issue asynchronously")
+        self.comm, self.world = comm, comm.world
+        self.works: list = []  # (op, bytes, work)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over the group (complete after :meth:`wait`). Cost: 2(W−1)/W · t bytes."""
+        self._issue("all_reduce", t.numel() * t.element_size(), dist.all_reduce, t)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every rank's ``inp`` (the same dtype) into ``out``, in rank order (complete after
+        :meth:`wait`). Cost: (W−1)/W · out bytes."""
+        self._issue("all_gather", out.numel() * out.element_size(), _all_gather, out, inp)
+
+    def _issue(self, op: str, nbytes: int, fn, *args) -> None:
+        comm, t0 = self.comm, time.perf_counter()
+        try:
+            work = fn(*args, group=comm.group, async_op=True)
+        except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
+            raise comm._failed(op, nbytes, t0, err) from err
+        comm.stats.record(f"{comm.name}.{op}", *wire_bytes(op, nbytes, comm.world), time.perf_counter() - t0)
+        self.works.append((op, nbytes, work))
+
+    def wait(self) -> None:
+        """Wait for every collective issued, in order."""
+        t0 = time.perf_counter()
+        works, self.works = self.works, []
+        for op, nbytes, work in works:
+            try:
+                if work is not None:
+                    work.wait()
+            except Exception as err:
+                raise self.comm._failed(op, nbytes, t0, err) from err
+        self.comm.stats.host_wait_seconds += time.perf_counter() - t0
 
 
 class GroupOfOne(Collectives):

@@ -88,20 +88,19 @@ class StepRound(Round):
         the CPU, or the copy's event has completed). Never blocks."""
         return self._staged_event is None or self._staged_event.query()
 
-    def read_verdict(self, wait: bool = False) -> bool:
-        """Read the staged verdict into this round (:meth:`apply_verdict`); a no-op once read, or for a round restored from a checkpoint. ``wait``: the caller
-        accepts a host wait for the copy (a synchronous step's one read); without it, call only
-        when :meth:`verdict_ready`. Returns whether the read was such a wait (counted by
-        callers: on a GPU it stalls the host)."""
+    def read_verdict(self, wait: bool = False) -> None:
+        """Read the staged verdict into this round (:meth:`apply_verdict`); a no-op once read,
+        or for a round restored from a checkpoint. ``wait``: the caller accepts a host wait for
+        the copy (a synchronous step's one read, a checkpoint's); without it, call only when
+        :meth:`verdict_ready`."""
         if self._staged is None:
-            return False
+            return
         if not wait and not self.verdict_ready():
             raise RuntimeError("read_verdict: the verdict's copy has not landed; ask verdict_ready() first")
         if self._staged_event is not None:
             self._staged_event.synchronize()  # completed already unless ``wait``
         values, self._staged, self._staged_event = self._staged.tolist(), None, None
         self.apply_verdict(values)
-        return wait
 
     def apply_verdict(self, values: List[float]) -> None:
         """Subclasses: take the host copy of what :meth:`stage` was given."""

@@ -115,32 +115,3 @@ def warn_one_hardware_queue(cfg, modes: Mapping, env: Mapping[str, str] = os.env
             "kernels queued behind it, and lowcomm.mode %r %s communication with training. Unset "
             "CUDA_DEVICE_MAX_CONNECTIONS for this job (CUDA's default is 8 connections)", cfg.mode, what)
     return True
-
-
-#: bytes of NCCL's buffer for one connection, by protocol, at NCCL 2.x's defaults (src/init.cc,
-#: src/include/device.h): LL 8 lines per thread × 512 threads × NCCL_STEPS (8) × 16-byte lines;
-#: LL128 120 elements per thread × 640 threads × 8 steps × 8 bytes; Simple 4 MiB (recent NCCL
-#: picks 1 MiB on some Arm hosts). ``NCCL_LL_BUFFSIZE``, ``NCCL_LL128_BUFFSIZE`` and
-#: ``NCCL_BUFFSIZE`` override them.
-NCCL_PROTOCOL_BUFFER_BYTES = {"NCCL_LL_BUFFSIZE": 8 * 512 * 8 * 16,
-                              "NCCL_LL128_BUFFSIZE": 120 * 640 * 8 * 8,
-                              "NCCL_BUFFSIZE": 4 << 20}
-
-
-def nccl_ring_buffer_bytes(channels: int, env: Mapping[str, str] = os.environ) -> int:
-    """Device bytes one rank's NCCL communicator holds for ring collectives over ``channels``
-    channels once every protocol has been used: per channel one connection's buffers (NCCL
-    allocates a connection's buffer at one of its two ends: the receiver, or the sender for
-    reads over NVLink), one per protocol (:data:`NCCL_PROTOCOL_BUFFER_BYTES`, or the
-    environment's values), about 9.2 MiB per channel at the defaults.
-
-    An estimate of what grows with the groups ds_lowcomm creates (every shard and replica group
-    is a communicator of its own), not a measurement. ``channels`` is NCCL's choice for the
-    topology: ``NCCL_DEBUG=INFO`` logs it ("%d coll channels") and ``NCCL_MAX_NCHANNELS`` caps it.
-    Not counted: tree connections (up to 3 children and a parent per channel), NVLS multicast
-    buffers on NVSwitch systems (``NCCL_NVLS_ENABLE=0`` turns them off), point-to-point
-    connections (all-to-all, send/recv), host memory of the proxy thread. Recent NCCL makes
-    connections at first use (``NCCL_RUNTIME_CONNECT``, default 1), so a protocol or algorithm a
-    communicator never runs costs nothing."""
-    per_channel = sum(int(env.get(name, default)) for name, default in NCCL_PROTOCOL_BUFFER_BYTES.items())
-    return channels * per_channel

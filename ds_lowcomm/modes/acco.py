@@ -144,7 +144,7 @@ class AccoRound(ShardedStepRound):
         the verdict skips it) or the real step; with ``delta``, its change from the parameters
         the model holds, in ``delta``'s dtype. Local."""
         if self.estimate:
-            out = torch.empty(self.adamw.master.shape, dtype=self.target.dtype, device=self.adamw.master.device)
+            out = torch.empty_like(self.adamw.master, dtype=self.target.dtype)  # the formula's p/W
             if self.host_verdict and self.skipped:
                 out.copy_(self.adamw.master)
             else:

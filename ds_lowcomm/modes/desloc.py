@@ -76,15 +76,13 @@ learning-rate schedule wait one step).
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from ds_lowcomm.checkpoint import CheckpointError, ShardReader
-from ds_lowcomm.comm.collectives import CollectiveError, Collectives, wire_bytes
+from ds_lowcomm.comm.collectives import AsyncCollectives
 from ds_lowcomm.comm.round import Round
 from ds_lowcomm.comm.worker import CommWorker, Ticket
 from ds_lowcomm.config import LowCommConfigError, option
@@ -170,7 +168,7 @@ class ParamAverage(Round):
     def start(self) -> None:
         """On the training thread: issue the sync's collectives as asynchronous work (the same
         calls and bytes as :meth:`run`); never waits for them."""
-        self.pending = AsyncCollectives(self.replica)
+        self.pending = self.replica.asynchronous()
         self.issue(self.pending)
 
     def wait(self) -> None:
@@ -213,58 +211,6 @@ class ParamAverage(Round):
 
     def install(self) -> None:
         """Nothing: :meth:`ReplicaSyncs.finish_param_sync` applies the result."""
-
-
-class AsyncCollectives:
-    """The replica group's collectives issued with ``async_op`` on the calling thread (the
-    training thread's streamed sync where its shard group has collectives of its own, module
-    doc): :meth:`all_reduce` and :meth:`all_gather` return at once, counted in the group's stats
-    as :class:`Collectives` counts them; :meth:`wait` waits for all of them, the time the host
-    blocks there (gloo; on CUDA the training stream waits instead, the host does not) counted as
-    waited for. A failure, at the issue or the wait, is raised as :class:`CollectiveError`."""
-
-    def __init__(self, comm: Collectives) -> None:
-        self.comm, self.world = comm, comm.world
-        self.works: List[tuple] = []  # (op, bytes, work)
-
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum ``t`` in place over the group (on :meth:`wait`). Cost: 2(R−1)/R · t bytes."""
-        self._issue("all_reduce", t.numel() * t.element_size(), dist.all_reduce, t)
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Every rank's ``inp`` (the same dtype) into ``out``, in rank order (on :meth:`wait`).
-        Cost: (R−1)/R · out bytes."""
-        # (torch 2.13 deprecates the *_tensor spelling in favour of the *_single one)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._issue("all_gather", out.numel() * out.element_size(), fn, out, inp)
-
-    def _issue(self, op: str, nbytes: int, fn, *args) -> None:
-        comm, t0 = self.comm, time.perf_counter()
-        try:
-            work = fn(*args, group=comm.group, async_op=True)
-        except Exception as err:  # gloo raises RuntimeError, NCCL DistBackendError
-            raise self._failed(op, nbytes, t0, err) from err
-        comm.stats.record(f"{comm.name}.{op}", *wire_bytes(op, nbytes, comm.world), time.perf_counter() - t0)
-        self.works.append((op, nbytes, work))
-
-    def wait(self) -> None:
-        """Wait for every collective issued, in order."""
-        t0 = time.perf_counter()
-        works, self.works = self.works, []
-        for op, nbytes, work in works:
-            try:
-                if work is not None:
-                    work.wait()
-            except Exception as err:
-                raise self._failed(op, nbytes, t0, err) from err
-        self.comm.stats.host_wait_seconds += time.perf_counter() - t0
-
-    def _failed(self, op: str, nbytes: int, t0: float, err: Exception) -> CollectiveError:
-        return CollectiveError(
-            f"ds_lowcomm: {op} of {nbytes} bytes on the {self.comm.name} group (a streamed desloc sync) failed "
-            f"on global rank {dist.get_rank()} after {time.perf_counter() - t0:.1f}s "
-            f"(collective_timeout_s={self.comm.timeout_s:g}): {err}. Another rank probably died or "
-            f"stalled; its log says why.")
 
 
 def sync_periods(options: DeslocOptions) -> Dict[str, int]:

@@ -266,8 +266,8 @@ class ShardedStepRound(StepRound):
         verdict = torch.cat(parts)
         if self.host_verdict:  # the step's one host wait: the host decides whether to update
             self.stage(verdict)
-            if self.read_verdict(wait=True):
-                self.ctx.stats.verdict_waits += 1
+            self.read_verdict(wait=True)
+            self.ctx.stats.verdict_waits += 1
         self.out = self.update(grad, factor)
         self.gather(self.out)
         if not self.host_verdict:
