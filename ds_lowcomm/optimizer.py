@@ -139,8 +139,11 @@ class LowCommOptimizer(torch.optim.Optimizer):
         the topology and buffers already here. No communication."""
         config = self.config
         mode_cls = MODES[config.mode]
-        self.worker = (CommWorker(self.stats, self.flat.device) if mode_cls.is_asynchronous(config.mode_options)
-                       else None)
+        # On CUDA with NCCL its rounds are issued from the training thread onto a side stream (one
+        # issuing thread per device); where collectives block (gloo), on a thread of their own.
+        inline = self.flat.device.type == "cuda" and not self.topology.blocking_collectives
+        self.worker = (CommWorker(self.stats, self.flat.device, inline=inline)
+                       if mode_cls.is_asynchronous(config.mode_options) else None)
         if mode_cls.paces and config.pace != "slowest":
             self.pacer = Pacer(mode_cls.pace_block(config.mode_options, self.gradient_accumulation_steps),
                                self.topology.shard.rank, device=self.flat.device,

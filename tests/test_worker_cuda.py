@@ -157,3 +157,57 @@ def test_cuda_wait_is_timed_on_the_device(monkeypatch):
     assert stats.exposed_comm_seconds == stats.host_wait_seconds + 0.29
     assert not [e for e in LOG if e[1] == "synchronize"], LOG
     worker.close()
+
+
+def test_cuda_inline_rounds_are_issued_on_the_submitting_thread(monkeypatch):
+    """With NCCL (collectives that return once enqueued) rounds are issued inline: ``submit`` runs
+    the round at once on the thread that submits it, onto the side stream, after the side stream
+    waited for the ready event; no thread of the worker's own, so every collective of the rank
+    comes from one thread in program order. The ticket is resolved on return (the round is
+    enqueued), not finished (``poll`` asks the done event); the host never waits for the GPU."""
+    LOG.clear()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream_context)
+    threads = threading.active_count()
+    worker = CommWorker(CommStats(), torch.device("cuda", 0), inline=True)
+    assert threading.active_count() == threads  # no thread started
+    tickets = [worker.submit(Recorded()) for _ in range(2)]
+    assert all(t.done() for t in tickets)
+    assert {entry[0] for entry in LOG} == {"MainThread"}, LOG
+    for i, t in enumerate(tickets):
+        ready, done = t.ready_event.name, t.done_event.name
+        assert LOG[4 * i:4 * i + 4] == [("MainThread", "record", ready, "training"),
+                                        ("MainThread", "wait_event", "side", ready),
+                                        ("MainThread", "run", "side"),
+                                        ("MainThread", "record", done, "side")], LOG
+    assert current_stream().name == "training"  # the training stream is current again
+    assert not worker.poll(tickets[0])
+    tickets[0].done_event.finished = True
+    assert worker.poll(tickets[0])
+    worker.wait(tickets[1])
+    assert ("MainThread", "wait_event", "training", tickets[1].done_event.name) in LOG
+    assert not [e for e in LOG if e[1] == "synchronize"], LOG
+    worker.close()
+    assert LOG[-1] == ("MainThread", "synchronize", "side")
+
+
+def test_inline_rounds_need_cuda():
+    with pytest.raises(ValueError, match="inline rounds need CUDA"):
+        CommWorker(CommStats(), torch.device("cpu"), inline=True)
+
+
+def test_rounds_go_inline_only_where_no_group_blocks():
+    """The rule the optimizer applies on CUDA: inline unless a shard or replica group's
+    collectives block the calling thread (gloo, ``native`` False); a group of one blocks nothing."""
+    from types import SimpleNamespace
+
+    from ds_lowcomm.comm.topology import Topology
+
+    def topo(shard, replica):
+        return Topology(4, 0, 2, SimpleNamespace(native=shard), None if replica is None else
+                        SimpleNamespace(native=replica), control=SimpleNamespace(native=False))
+
+    assert not topo(True, True).blocking_collectives and not topo(True, None).blocking_collectives
+    assert topo(False, None).blocking_collectives and topo(True, False).blocking_collectives

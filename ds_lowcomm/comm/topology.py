@@ -43,6 +43,13 @@ class Topology:
     def num_replicas(self) -> int:
         return self.world_size // self.shard_group_size
 
+    @property
+    def blocking_collectives(self) -> bool:
+        """Whether the shard or replica group's collectives block the calling thread until they
+        complete (gloo's), rather than return once enqueued on the device (NCCL's; a group of
+        one has none): where they do, a round needs a thread of its own to overlap training."""
+        return not all(c.native for c in (self.shard, self.replica) if c is not None)
+
     @staticmethod
     def build(shard_group_size: Optional[int], timeout_s: float, stats: CommStats,
               control: Optional[Collectives] = None) -> "Topology":

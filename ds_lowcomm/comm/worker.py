@@ -1,22 +1,32 @@
-"""CommWorker: the thread an asynchronous mode's rounds run on (a synchronous mode runs its round
+"""CommWorker: where an asynchronous mode's rounds are issued (a synchronous mode runs its round
 on the training thread, :func:`ds_lowcomm.shard.step.step_now`).
 
 ``submit(round)`` returns a :class:`Ticket`, a :class:`concurrent.futures.Future` resolved when
-the round's ``run()`` is over; ``poll``/``wait`` ask it (and order CUDA streams). One host thread
-executes rounds in submission order, so every rank issues the same collectives in the same order
-whatever its own timing. On CUDA the thread works on a side stream that first waits for an event
-recorded on the training stream at submit time (the round's inputs are ready), and records a done
-event once the round is enqueued. The worker itself never makes the host wait for the GPU: the
-ticket resolves when the round has been *enqueued* (``run()`` returned on the host; a round that
-reads a device value in ``run()``, a global norm's verdict, resolves only once the GPU has got
-that far, and a :meth:`CommWorker.wait` for it waits that long too), :meth:`CommWorker.poll` asks the
-done event whether the GPU has finished it, and :meth:`CommWorker.wait` makes the training stream
-wait on the event (kernels queued after it run after the round; the host goes on queueing).
-Buffers are allocated once by the mode and reused, so no ``record_stream`` is needed. On CPU the
-thread blocks in gloo, which releases the GIL, while the training thread computes.
+the round's ``run()`` is over; ``poll``/``wait`` ask it (and order CUDA streams). Rounds run in
+submission order, so every rank issues the same collectives in the same order whatever its own
+timing. Where they run depends on whether the groups' collectives block the host:
 
-Stats: ``round_seconds`` (host time in ``run()``: on CPU the communication; on CUDA its enqueueing
-and any host read the round makes), ``host_wait_seconds`` (training thread blocked) and, on CUDA,
+- **inline** (CUDA, with groups whose collectives return once enqueued: NCCL's): ``submit`` runs
+  the round at once on the submitting thread, onto a side stream. Every collective of a rank is
+  then issued from the thread that drives training (or autograd's, in a backward hook, while the
+  training thread waits for it): one issuing thread per device, the condition under which NCCL
+  orders several communicators' work (``NCCL_LAUNCH_ORDER_IMPLICIT``), and no second Python
+  thread competing for the GIL with the training thread's launches. Enqueueing a round costs
+  its kernel launches (a few dozen: its verdicts stay on the device) and never waits for the GPU.
+- **a thread** (CPU, and gloo on CUDA, whose collectives block the calling thread): one
+  background thread runs the rounds, on CUDA on its side stream; gloo releases the GIL while it
+  blocks, so the training thread computes meanwhile.
+
+On CUDA the side stream first waits for an event recorded on the training stream at submit time
+(the round's inputs are ready) and records a done event once the round is enqueued. Nothing here
+makes the host wait for the GPU: the ticket resolves when the round has been *enqueued*,
+:meth:`CommWorker.poll` asks the done event whether the GPU has finished it, and
+:meth:`CommWorker.wait` makes the training stream wait on the event (kernels queued after it run
+after the round; the host goes on queueing). Buffers are allocated once by the mode and reused,
+so no ``record_stream`` is needed.
+
+Stats: ``round_seconds`` (host time in ``run()``: on CPU the communication; on CUDA its
+enqueueing), ``host_wait_seconds`` (training thread blocked) and, on CUDA,
 ``device_wait_seconds``: the training stream held by :meth:`CommWorker.wait` until the round's done
 event, timed by two events around the stream's wait (the first completes when the compute queued
 before it has, the second when the round has too) and read once both have completed, never
@@ -56,27 +66,37 @@ class Ticket(Future):
 
 
 class CommWorker:
-    """Runs rounds on one background thread, in submission order."""
+    """Runs rounds in submission order: ``inline`` on the submitting thread onto a side stream
+    (CUDA only), else on one background thread (module doc)."""
 
-    def __init__(self, stats: CommStats, device: torch.device) -> None:
+    def __init__(self, stats: CommStats, device: torch.device, inline: bool = False) -> None:
         self.stats = stats
         self.cuda = device.type == "cuda"
+        if inline and not self.cuda:
+            raise ValueError("CommWorker: inline rounds need CUDA (a side stream to enqueue them on); "
+                             f"on {device} a round blocks, so it runs on the worker's thread")
+        self.inline = inline
         self.device = device
         self._queue: "queue.Queue[Optional[Ticket]]" = queue.Queue()
         self._device_waits: "list[tuple]" = []  # (before, after) timing events not yet read
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self._thread: Optional[threading.Thread] = threading.Thread(target=self._loop, name="ds_lowcomm-comm",
-                                                                    daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        if not inline:
+            self._thread = threading.Thread(target=self._loop, name="ds_lowcomm-comm", daemon=True)
+            self._thread.start()
 
     def submit(self, rnd: Round) -> Ticket:
-        """Queue ``rnd.run()`` for the thread. Call ``rnd.pack()`` first. Never blocks."""
+        """Issue ``rnd.run()`` onto the side stream now (inline), or queue it for the thread. Call
+        ``rnd.pack()`` first. Never waits for the device, nor for a round."""
         ticket = Ticket(rnd)
         if self.cuda:
             ticket.ready_event = torch.cuda.Event()
             ticket.ready_event.record()
             ticket.done_event = torch.cuda.Event()
-        self._queue.put(ticket)
+        if self.inline:
+            self._on_side_stream(ticket)
+        else:
+            self._queue.put(ticket)
         return ticket
 
     def poll(self, ticket: Ticket) -> bool:
@@ -120,8 +140,8 @@ class CommWorker:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-            if self.cuda:
-                self.stream.synchronize()
+        if self.cuda:
+            self.stream.synchronize()
 
     def _loop(self) -> None:
         if self.cuda:
@@ -131,11 +151,14 @@ class CommWorker:
             if ticket is None:
                 return
             if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(ticket.ready_event)
-                    self._execute(ticket, stream=self.stream)
+                self._on_side_stream(ticket)
             else:
                 self._execute(ticket)
+
+    def _on_side_stream(self, ticket: Ticket) -> None:
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ticket.ready_event)
+            self._execute(ticket, stream=self.stream)
 
     def _execute(self, ticket: Ticket, stream=None) -> None:
         t0 = time.perf_counter()
